@@ -1,0 +1,176 @@
+"""ppo.py run as a user runs it: subprocesses with tiny settings, and every bad-input case."""
+
+import json
+import shutil
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import assert_one_line_error, run_script
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+TINY = ["--total-episodes", "32", "--batch-size", "16", "--num-mini-batches", "2", "--eval-every", "1",
+        "--num-ppo-epochs", "2"]
+
+REWARDS = textwrap.dedent('''
+    import math
+
+    def uses_answer(prompts, completions, answer, completion_ids, **kwargs):
+        """Reads the dataset's 'answer' column; chat prompts arrive as message lists, as in TRL."""
+        assert isinstance(prompts[0], list) and prompts[0][0]["role"] == "user", prompts[0]
+        assert isinstance(completions[0], list) and completions[0][0]["role"] == "assistant", completions[0]
+        assert len(answer) == len(completions) == len(completion_ids)
+        return [float(c[0]["content"].startswith(a)) for c, a in zip(completions, answer)]
+
+    def length(prompts, completions, **kwargs):
+        return [-0.1 * len(c) for c in completions]
+
+    def stop_check(prompts, completions, **kwargs):
+        for c in completions:
+            assert "+" not in c or c.endswith("+") and c.count("+") == 1, repr(c)
+        return [float(c.endswith("+")) for c in completions]
+
+    def raises(prompts, completions, **kwargs):
+        raise KeyError("no such column")
+
+    def wrong_count(prompts, completions, **kwargs):
+        return [1.0]
+
+    def nan(prompts, completions, **kwargs):
+        return [math.nan] * len(completions)
+
+    def inf(prompts, completions, **kwargs):
+        return [math.inf] * len(completions)
+
+    def none(prompts, completions, **kwargs):
+        return [None] * len(completions)
+''')
+
+PROMPTS = textwrap.dedent('''
+    def digits(rng):
+        a = rng.randrange(10)
+        return {"prompt": f"{a}=", "answer": str(a)}
+
+    def not_a_row(rng):
+        return "3+4="
+
+    def too_long(rng):
+        return {"prompt": "1+" * 200 + "1="}
+
+    def exact(prompts, completions, answer, **kwargs):
+        return [float(c == a) for c, a in zip(completions, answer)]
+''')
+
+
+@pytest.fixture
+def user_files(tmp_path: Path) -> Path:
+    (tmp_path / "my_rewards.py").write_text(REWARDS)
+    (tmp_path / "my_prompts.py").write_text(PROMPTS)
+    rows = [{"prompt": [{"role": "user", "content": f"{a}+{b}="}], "answer": str(a + b)}
+            for a in range(5) for b in range(4)]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "no_prompt.jsonl").write_text('{"question": "1+1=", "answer": "2"}\n')
+    (tmp_path / "long.jsonl").write_text(json.dumps({"prompt": "1+" * 200 + "1="}) + "\n")
+    return tmp_path
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_default_task_with_tiny_settings(tmp_path):
+    result = run_script("ppo.py", *TINY, "--output-dir", tmp_path / "run")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = read_metrics(tmp_path / "run")
+    assert [r["iteration"] for r in rows] == [0, 1, 2]
+    assert rows[-1]["episode"] == 32 and 0.0 <= rows[-1]["task/accuracy"] <= 1.0
+    assert {"objective/kl", "objective/scores", "loss/policy_avg", "lr", "elapsed_s"} <= set(rows[-1])
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["batch_size"] == 16
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "model")
+    assert model.config.model_type == "llama"
+    assert "final task/accuracy" in result.stdout
+
+
+def test_model_folder_chat_dataset_and_reward_file_reading_a_column(tmp_path, tiny_model_dir, user_files):
+    rewards = user_files / "my_rewards.py"
+    result = run_script("ppo.py", "--model", tiny_model_dir, "--dataset", user_files / "chat.jsonl",
+                        "--reward-fn", f"{rewards}:uses_answer", f"{rewards}:length",
+                        "--reward-weights", "1.0", "0.5", "--max-new-tokens", "4", "--learning-rate", "1e-3", *TINY,
+                        "--output-dir", tmp_path / "run")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = read_metrics(tmp_path / "run")
+    assert rows[-1]["episode"] == 32 and "eval/scores" in rows[-1]
+    AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "model")
+
+
+def test_prompt_fn_module_and_stop_strings(tmp_path, user_files):
+    result = run_script("ppo.py", "--prompt-fn", "my_prompts:digits", "--reward-fn", "my_rewards:stop_check",
+                        "--stop-strings", "+", "--max-new-tokens", "12", *TINY, "--output-dir", tmp_path / "run",
+                        cwd=user_files)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = read_metrics(tmp_path / "run")
+    assert rows[-1]["episode"] == 32
+    assert any(r.get("objective/scores", 0) > 0 for r in rows)  # some responses did stop on "+"
+
+
+def test_wandb_offline(tmp_path):
+    result = run_script("ppo.py", *TINY, "--track", "--output-dir", tmp_path / "run",
+                        env={"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and any(runs[0].glob("*.wandb"))
+
+
+def test_save_then_resume_gives_the_same_run(tmp_path):
+    full = tmp_path / "full"
+    args = [*TINY, "--total-episodes", "64", "--save-every", "2", "--keep-checkpoints", "0"]
+    result = run_script("ppo.py", *args, "--output-dir", full)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(p.name for p in (full / "checkpoints").iterdir()) == ["iter_000002", "iter_000004"]
+    # a second run folder holding what the first had after iteration 2: the checkpoint and the metrics rows so far
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(full / "checkpoints" / "iter_000002", resumed / "checkpoints" / "iter_000002")
+    (resumed / "metrics.jsonl").write_text("".join(line + "\n" for line in
+                                                   (full / "metrics.jsonl").read_text().splitlines()[:5]))
+    result = run_script("ppo.py", *args, "--output-dir", resumed, "--resume", "latest")
+    assert result.returncode == 0, result.stderr[-3000:]
+    strip = lambda rows: [{k: v for k, v in r.items() if k != "elapsed_s"} for r in rows]  # noqa: E731
+    assert strip(read_metrics(resumed)) == strip(read_metrics(full))
+    a, b = load_file(full / "model" / "model.safetensors"), load_file(resumed / "model" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ---- bad input: one line that names the flag, the value and the fix; exit code != 0; no traceback --------------------
+
+
+@pytest.mark.parametrize("args, flag, words", [
+    (["--prompt-fn", "my_prompts:digits", "--reward-fn", "no_such_module:score"], "--reward-fn", ["cannot import"]),
+    (["--prompt-fn", "my_prompts:digits", "--reward-fn", "my_rewards:nope"], "--reward-fn", ["has no function nope"]),
+    (["--prompt-fn", "my_prompts:digits", "--reward-fn", "missing.py:score"], "--reward-fn", ["no file"]),
+    (["--prompt-fn", "my_prompts:digits", "--reward-fn", "my_rewards:raises"], "--reward-fn", ["raised KeyError"]),
+    (["--prompt-fn", "my_prompts:digits", "--reward-fn", "my_rewards:wrong_count"], "--reward-fn",
+     ["returned 1 scores"]),
+    (["--prompt-fn", "my_prompts:digits", "--reward-fn", "my_rewards:nan"], "--reward-fn", ["nan"]),
+    (["--prompt-fn", "my_prompts:digits", "--reward-fn", "my_rewards:inf"], "--reward-fn", ["inf"]),
+    (["--prompt-fn", "my_prompts:digits", "--reward-fn", "my_rewards:none"], "--reward-fn", ["None"]),
+    (["--prompt-fn", "my_prompts:not_a_row", "--reward-fn", "my_prompts:exact"], "--prompt-fn", ["'prompt' key"]),
+    (["--dataset", "chat.jsonl", "--prompt-fn", "my_prompts:digits", "--reward-fn", "my_prompts:exact"],
+     "--prompt-fn", ["not both"]),
+    (["--reward-fn", "my_prompts:exact"], "--dataset", ["give --dataset or --prompt-fn"]),
+    (["--dataset", "chat.jsonl"], "--reward-fn", ["need a reward"]),
+    (["--dataset", "no_prompt.jsonl", "--reward-fn", "my_prompts:exact"], "--prompt-column",
+     ["['question', 'answer']"]),
+    (["--model", "no/such-model-folder"], "--model", ["no/such-model-folder"]),
+    (["--batch-size", "30", "--num-mini-batches", "4"], "--batch-size", ["divisible"]),
+    (["--reward-fn", "my_prompts:exact", "--reward-weights", "1", "2", "--prompt-fn", "my_prompts:digits"],
+     "--reward-weights", ["one weight per"]),
+    (["--dataset", "long.jsonl", "--reward-fn", "my_prompts:exact"], "--dataset", ["context of 256"]),
+    (["--prompt-fn", "my_prompts:too_long", "--reward-fn", "my_prompts:exact"], "--max-new-tokens", ["context of 256"]),
+    (["--resume", "no_such_checkpoint"], "--resume", ["not a checkpoint folder"]),
+])
+def test_bad_input_is_one_line(args, flag, words, user_files, tmp_path):
+    result = run_script("ppo.py", *TINY, *args, "--output-dir", tmp_path / "run", cwd=user_files, timeout=300)
+    assert_one_line_error(result, flag, *words)
