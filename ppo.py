@@ -181,11 +181,6 @@ class Args:
 BUILTIN_CHARS = "0123456789+-*=\n "
 
 
-def fail(flag: str, value: Any, fix: str) -> NoReturn:
-    """Stop the run with one line that names the flag, its value and the fix (no traceback)."""
-    raise SystemExit(f"error: {flag} {value!r}: {fix}")
-
-
 def build_tokenizer() -> PreTrainedTokenizerFast:
     """A character-level tokenizer over BUILTIN_CHARS, built offline with the `tokenizers` library."""
     vocab = {t: i for i, t in enumerate(["<pad>", "<bos>", "<eos>", "<unk>", *BUILTIN_CHARS])}
@@ -233,6 +228,11 @@ def addition_reward(prompts, completions, completion_ids, answer, tokenizer, **k
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Loading: callables, models, prompts and rewards
+
+
+def fail(flag: str, value: Any, fix: str) -> NoReturn:
+    """Stop the run with one line that names the flag, its value and the fix (no traceback)."""
+    raise SystemExit(f"error: {flag} {value!r}: {fix}")
 
 
 def load_callable(spec: str, flag: str) -> Callable:
@@ -295,7 +295,7 @@ def check_task(task: TaskArgs) -> bool:
         fail("--prompt-fn", task.prompt_fn, "give one prompt source: --dataset or --prompt-fn, not both")
     if has_reward and not has_prompts:
         fail("--dataset", None, "your reward needs prompts: give --dataset or --prompt-fn (the built-in task applies "
-                                "only when no reward is given; its prompts are --prompt-fn ppo:addition_prompt)")
+                                "only when no reward is given; its prompt function is this script's addition_prompt)")
     if has_prompts and not has_reward:
         fail("--reward-fn", [], "these prompts need a reward: give --reward-fn and/or --reward-model")
     if task.reward_weights is not None and len(task.reward_weights) != len(task.reward_fn):
@@ -516,12 +516,31 @@ def response_valid_mask(responses: torch.Tensor, pad_token_id: int, eos_token_id
     return torch.arange(T, device=responses.device)[None] < length[:, None]
 
 
+def world_size() -> int:
+    """Number of processes (1 without torchrun)."""
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+
 def global_sum(x: torch.Tensor) -> torch.Tensor:
     """Sum over all processes (identity in a single process)."""
     if torch.distributed.is_initialized():
         x = x.clone()
         torch.distributed.all_reduce(x)
     return x
+
+
+def sync_gradients(params: list[torch.nn.Parameter]) -> None:
+    """Average gradients over processes, what DistributedDataParallel does after backward (left to FSDP when the
+    parameters are sharded DTensors, whose gradients it has already reduced)."""
+    if not torch.distributed.is_initialized():
+        return
+    grads = [p.grad for p in params if p.grad is not None and not hasattr(p.grad, "placements")]
+    if grads:
+        flat = torch.cat([g.flatten() for g in grads])
+        torch.distributed.all_reduce(flat)
+        flat /= torch.distributed.get_world_size()
+        for g, chunk in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(chunk.view_as(g))
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -637,7 +656,6 @@ def ppo_step(policy, value_model, ref_policy, optimizer, queries: torch.Tensor, 
 
     # 5. PPO epochs over shuffled mini-batches; losses are token sums divided by the mini-batch's token count over
     # all processes, so gradient accumulation and data parallelism give the gradient of the whole mini-batch.
-    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     params = [p for g in optimizer.param_groups for p in g["params"]]
     stats = {k: [] for k in ("pg_loss", "vf_loss", "approxkl", "clipfrac", "vf_clipfrac", "entropy", "ratio")}
     mini = B // hp.num_mini_batches
@@ -645,8 +663,8 @@ def ppo_step(policy, value_model, ref_policy, optimizer, queries: torch.Tensor, 
         order = torch.randperm(B, device=device)
         for start in range(0, B, mini):
             mb = order[start:start + mini]
-            n_train = global_sum(train[mb].sum().float()).clamp(min=1) / world
-            n_valid = global_sum(valid[mb].sum().float()).clamp(min=1) / world
+            n_train = global_sum(train[mb].sum().float()).clamp(min=1) / world_size()
+            n_valid = global_sum(valid[mb].sum().float()).clamp(min=1) / world_size()
             for m in range(0, mini, micro):
                 i = mb[m:m + micro]
                 new_logprobs, entropy = response_logprobs(policy, input_ids[i], attention_mask[i], responses[i],
@@ -671,6 +689,7 @@ def ppo_step(policy, value_model, ref_policy, optimizer, queries: torch.Tensor, 
                     stats["vf_clipfrac"].append(masked_mean(((new_values - v_clipped).abs() > 0).float(), v))
                     stats["entropy"].append(masked_mean(entropy, t))
                     stats["ratio"].append(masked_mean(ratio, t))
+            sync_gradients(params)
             torch.nn.utils.clip_grad_norm_(params, hp.max_grad_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -726,8 +745,7 @@ def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
 def average_metrics(metrics: dict, device: torch.device) -> dict:
     """The mean of each metric over all processes."""
     values = global_sum(torch.tensor(list(metrics.values()), dtype=torch.float64, device=device))
-    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    return dict(zip(metrics, (values / world).tolist()))
+    return dict(zip(metrics, (values / world_size()).tolist()))
 
 
 def evaluate(policy, tokenizer, task: dict, greedy: GenerationConfig, stop_strings: list[str], rank: int,
@@ -790,13 +808,13 @@ def set_rng_states(states: dict) -> None:
 
 
 def save_checkpoint(folder: Path, models: dict, tokenizer, state: dict, keep: int) -> None:
-    """Write a checkpoint into a temporary folder, then rename it into place (a crash never leaves a half one);
-    keep the newest `keep` checkpoints (0: all)."""
+    """Write a checkpoint (each model in its own folder, the tokenizer beside the first) into a temporary folder,
+    then rename it into place, so a crash never leaves a half one; keep the newest `keep` checkpoints (0: all)."""
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     for name, model in models.items():
         model.save_pretrained(tmp / name)
-    tokenizer.save_pretrained(tmp / "policy")
+    tokenizer.save_pretrained(tmp / next(iter(models)))
     torch.save(state, tmp / "state.pt")
     shutil.rmtree(folder, ignore_errors=True)
     os.replace(tmp, folder)
@@ -878,10 +896,6 @@ def main(args: Args) -> None:
         set_rng_states(state["rng"][rank % len(state["rng"])])
         prompt_state, run_name = state["prompt_state"], state["run_name"]
         start, episode, elapsed = state["iteration"] + 1, state["episode"], state["elapsed"]
-    train_policy, train_value = policy, value_model
-    if world > 1:
-        ddp = torch.nn.parallel.DistributedDataParallel
-        train_policy, train_value = ddp(policy), ddp(value_model)
     if args.compile:
         for model in (policy, ref_policy, value_model):
             model.forward = torch.compile(model.forward, dynamic=True)
@@ -899,7 +913,7 @@ def main(args: Args) -> None:
             optimizer.param_groups[0]["lr"] = lr * (1 - (iteration - 1) / num_iterations)
         rows = draw_rows(task, prompt_state, args.batch_size, args.seed)[rank * local_batch:(rank + 1) * local_batch]
         out = rollout(policy, tokenizer, rows, sample, gen.stop_strings, task)
-        metrics = ppo_step(train_policy, train_value, ref_policy, optimizer, out["queries"], out["responses"],
+        metrics = ppo_step(policy, value_model, ref_policy, optimizer, out["queries"], out["responses"],
                            out["scores"], out["masks"], hp=hp, pad_token_id=tokenizer.pad_token_id,
                            eos_token_id=tokenizer.eos_token_id)
         episode += args.batch_size

@@ -1,4 +1,5 @@
-"""ppo.py run as a user runs it: subprocesses with tiny settings, and every bad-input case."""
+"""ppo.py and rloo.py run as a user runs them: subprocesses with tiny settings, and every bad-input case. The two
+scripts share their interfaces, so each test runs on both."""
 
 import json
 import shutil
@@ -11,6 +12,7 @@ from conftest import assert_one_line_error, run_script
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+SCRIPTS = ["ppo.py", "rloo.py"]
 TINY = ["--total-episodes", "32", "--batch-size", "16", "--num-mini-batches", "2", "--eval-every", "1",
         "--num-ppo-epochs", "2"]
 
@@ -80,8 +82,9 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_default_task_with_tiny_settings(tmp_path):
-    result = run_script("ppo.py", *TINY, "--output-dir", tmp_path / "run")
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_default_task_with_tiny_settings(script, tmp_path):
+    result = run_script(script, *TINY, "--output-dir", tmp_path / "run")
     assert result.returncode == 0, result.stderr[-3000:]
     rows = read_metrics(tmp_path / "run")
     assert [r["iteration"] for r in rows] == [0, 1, 2]
@@ -93,9 +96,10 @@ def test_default_task_with_tiny_settings(tmp_path):
     assert "final task/accuracy" in result.stdout
 
 
-def test_model_folder_chat_dataset_and_reward_file_reading_a_column(tmp_path, tiny_model_dir, user_files):
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_model_folder_chat_dataset_and_reward_file_reading_a_column(script, tmp_path, tiny_model_dir, user_files):
     rewards = user_files / "my_rewards.py"
-    result = run_script("ppo.py", "--model", tiny_model_dir, "--dataset", user_files / "chat.jsonl",
+    result = run_script(script, "--model", tiny_model_dir, "--dataset", user_files / "chat.jsonl",
                         "--reward-fn", f"{rewards}:uses_answer", f"{rewards}:length",
                         "--reward-weights", "1.0", "0.5", "--max-new-tokens", "4", "--learning-rate", "1e-3", *TINY,
                         "--output-dir", tmp_path / "run")
@@ -105,8 +109,9 @@ def test_model_folder_chat_dataset_and_reward_file_reading_a_column(tmp_path, ti
     AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "model")
 
 
-def test_prompt_fn_module_and_stop_strings(tmp_path, user_files):
-    result = run_script("ppo.py", "--prompt-fn", "my_prompts:digits", "--reward-fn", "my_rewards:stop_check",
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_prompt_fn_module_and_stop_strings(script, tmp_path, user_files):
+    result = run_script(script, "--prompt-fn", "my_prompts:digits", "--reward-fn", "my_rewards:stop_check",
                         "--stop-strings", "+", "--max-new-tokens", "12", *TINY, "--output-dir", tmp_path / "run",
                         cwd=user_files)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -115,18 +120,20 @@ def test_prompt_fn_module_and_stop_strings(tmp_path, user_files):
     assert any(r.get("objective/scores", 0) > 0 for r in rows)  # some responses did stop on "+"
 
 
-def test_wandb_offline(tmp_path):
-    result = run_script("ppo.py", *TINY, "--track", "--output-dir", tmp_path / "run",
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_wandb_offline(script, tmp_path):
+    result = run_script(script, *TINY, "--track", "--output-dir", tmp_path / "run",
                         env={"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)})
     assert result.returncode == 0, result.stderr[-3000:]
     runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and any(runs[0].glob("*.wandb"))
 
 
-def test_save_then_resume_gives_the_same_run(tmp_path):
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_save_then_resume_gives_the_same_run(script, tmp_path):
     full = tmp_path / "full"
     args = [*TINY, "--total-episodes", "64", "--save-every", "2", "--keep-checkpoints", "0"]
-    result = run_script("ppo.py", *args, "--output-dir", full)
+    result = run_script(script, *args, "--output-dir", full)
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(p.name for p in (full / "checkpoints").iterdir()) == ["iter_000002", "iter_000004"]
     # a second run folder holding what the first had after iteration 2: the checkpoint and the metrics rows so far
@@ -135,7 +142,7 @@ def test_save_then_resume_gives_the_same_run(tmp_path):
     shutil.copytree(full / "checkpoints" / "iter_000002", resumed / "checkpoints" / "iter_000002")
     (resumed / "metrics.jsonl").write_text("".join(line + "\n" for line in
                                                    (full / "metrics.jsonl").read_text().splitlines()[:5]))
-    result = run_script("ppo.py", *args, "--output-dir", resumed, "--resume", "latest")
+    result = run_script(script, *args, "--output-dir", resumed, "--resume", "latest")
     assert result.returncode == 0, result.stderr[-3000:]
     strip = lambda rows: [{k: v for k, v in r.items() if k != "elapsed_s"} for r in rows]  # noqa: E731
     assert strip(read_metrics(resumed)) == strip(read_metrics(full))
@@ -171,6 +178,12 @@ def test_save_then_resume_gives_the_same_run(tmp_path):
     (["--prompt-fn", "my_prompts:too_long", "--reward-fn", "my_prompts:exact"], "--max-new-tokens", ["context of 256"]),
     (["--resume", "no_such_checkpoint"], "--resume", ["not a checkpoint folder"]),
 ])
-def test_bad_input_is_one_line(args, flag, words, user_files, tmp_path):
-    result = run_script("ppo.py", *TINY, *args, "--output-dir", tmp_path / "run", cwd=user_files, timeout=300)
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_bad_input_is_one_line(script, args, flag, words, user_files, tmp_path):
+    result = run_script(script, *TINY, *args, "--output-dir", tmp_path / "run", cwd=user_files, timeout=300)
     assert_one_line_error(result, flag, *words)
+
+
+def test_rloo_needs_two_samples_per_prompt(tmp_path):
+    result = run_script("rloo.py", *TINY, "--rloo-k", "1", "--output-dir", tmp_path)
+    assert_one_line_error(result, "--rloo-k", "at least 2")

@@ -1,0 +1,933 @@
+"""RLOO (REINFORCE leave-one-out) for language models, in one file.
+
+Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization for Learning from Human Feedback in
+LLMs" (arXiv 2402.14740), after Kool et al. 2019 ("Buy 4 REINFORCE samples, get a baseline for free"). Each prompt
+gets k samples; the baseline of each sample is the mean reward of the other k - 1, so no value model is needed.
+docs/rloo.md explains every numbered step and every logged metric.
+
+    python rloo.py                                      # built-in task: single-digit addition, tiny model, offline
+    python rloo.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset prompts.jsonl --reward-fn my_rewards.py:score
+
+Same prompt sources, reward functions, reward models, generation settings, run records and checkpoints as ppo.py;
+the helpers they share are copies (tests/test_copies.py keeps them identical), so this file stands alone. Custom
+loops import `rloo_step`.
+"""
+
+import copy
+import functools
+import importlib
+import importlib.util
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Literal, NoReturn
+
+import datasets
+import torch
+import tyro
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from tqdm import tqdm
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    GenerationConfig,
+    LlamaConfig,
+    PreTrainedTokenizerFast,
+    StoppingCriteriaList,
+)
+
+
+@dataclass
+class RLOOHParams:
+    """The hyperparameters of one RLOO update (`rloo_step`)."""
+
+    rloo_k: int = 4
+    """samples per prompt; the baseline of each is the mean reward of the other k - 1"""
+    kl_coef: float = 0.05
+    """weight of the KL penalty"""
+    kl_estimator: Literal["k1", "k3"] = "k1"
+    """k1: logp - ref_logp; k3: exp(r) - 1 - r with r = ref_logp - logp (never negative)"""
+    kl_in_reward: bool = True
+    """fold the KL penalty into the sequence reward (as the RLOO paper); else add kl_coef x the mean per-token KL to
+    the loss"""
+    normalize_advantages: bool = False
+    """divide the advantages by their standard deviation over the batch"""
+    temperature: float = 1.0
+    """sampling temperature; the logprobs are computed from logits divided by it"""
+    cliprange: float = 0.2
+    """clip range of the importance ratio (matters when --num-ppo-epochs or --num-mini-batches > 1)"""
+    num_ppo_epochs: int = 1
+    """passes over the batch per update (1: on-policy REINFORCE)"""
+    num_mini_batches: int = 1
+    """optimizer steps per epoch: the prompts are split into this many mini-batches"""
+    gradient_accumulation_steps: int = 1
+    """micro-batches per mini-batch (gradients accumulated)"""
+    max_grad_norm: float = 1.0
+    """gradient-norm clip"""
+    forward_batch_size: int = 64
+    """responses per chunk in the no-grad rollout forward passes"""
+
+
+@dataclass
+class GenArgs:
+    """Generation settings (sampling temperature lives with the algorithm's hyperparameters)."""
+
+    max_new_tokens: int | None = None
+    """most tokens per response (default: 4 for the built-in task, 64 otherwise)"""
+    top_k: int = 0
+    """sample among the k most likely tokens (0: off)"""
+    top_p: float = 1.0
+    """nucleus sampling (1.0: off)"""
+    min_p: float = 0.0
+    """drop tokens below min_p times the top probability (0: off)"""
+    repetition_penalty: float = 1.0
+    """repetition penalty (1.0: off)"""
+    stop_strings: list[str] = field(default_factory=list)
+    """end a response after the first of these strings (kept in the response)"""
+
+
+@dataclass
+class TaskArgs:
+    """Where prompts come from and how responses are scored; with none of these, the built-in task."""
+
+    dataset: str | None = None
+    """prompt source: a hub dataset id, or a local json/jsonl/parquet/csv file or folder"""
+    dataset_split: str = "train"
+    """split of --dataset to train on"""
+    eval_split: str | None = None
+    """split of --dataset to evaluate on (default: the first rows of --dataset-split)"""
+    prompt_column: str = "prompt"
+    """column with the prompt: a string, or a list of chat messages (rendered with the tokenizer's chat template)"""
+    prompt_fn: str | None = None
+    """prompt source: module:function or path/file.py:function; fn(rng: random.Random) -> {'prompt': ..., **columns}"""
+    num_eval_prompts: int = 100
+    """size of the fixed evaluation set (the built-in task always uses all its 100 sums)"""
+    reward_fn: list[str] = field(default_factory=list)
+    """reward functions (module:function or path/file.py:function), called as TRL calls them:
+    fn(prompts, completions, completion_ids=..., **columns) -> list[float]"""
+    reward_weights: list[float] | None = None
+    """one weight per --reward-fn (default: all 1.0)"""
+    reward_model: str | None = None
+    """a sequence classifier with one label, read at the last token of prompt+completion (its own tokenizer)"""
+    reward_model_weight: float = 1.0
+    """weight of the reward model's score in the total score"""
+    missing_eos_penalty: float | None = None
+    """subtracted from the score of responses that end neither with EOS nor with a stop string"""
+    success_threshold: float = 1.0
+    """an evaluation completion counts towards task/accuracy when its score reaches this"""
+
+
+@dataclass
+class Args:
+    """Train a language model with RLOO on reward functions, a reward model, or both."""
+
+    exp_name: str = "rloo"
+    """name of this experiment (part of the run name)"""
+    seed: int = 1
+    """seed of python, torch and the prompt order (each process adds its rank)"""
+    output_dir: str | None = None
+    """run folder (config.json, metrics.jsonl, checkpoints/, model/); default runs/<run_name>"""
+    track: bool = False
+    """log to Weights & Biases (works offline with WANDB_MODE=offline)"""
+    wandb_project: str = "rlft"
+    """wandb project"""
+    wandb_entity: str | None = None
+    """wandb entity (team or user)"""
+    model: str = "builtin"
+    """policy: a Hugging Face id or a local folder; 'builtin' is a tiny Llama-shaped model built from config"""
+    trust_remote_code: bool = False
+    """allow model code from the hub (off unless asked)"""
+    total_episodes: int = 256_000
+    """responses to train on in all (iterations = total_episodes // batch_size)"""
+    batch_size: int = 256
+    """responses per iteration over all processes: batch_size / rloo_k prompts, rloo_k samples each"""
+    learning_rate: float | None = None
+    """AdamW learning rate (default: 1e-3 for the built-in model, 3e-6 for any other)"""
+    anneal_lr: bool = True
+    """decay the learning rate linearly to 0"""
+    eval_every: int = 25
+    """evaluate with greedy decoding every this many iterations (and at the start and the end)"""
+    save_every: int = 0
+    """write a checkpoint every this many iterations (0: only the final model)"""
+    keep_checkpoints: int = 2
+    """keep the newest this many checkpoints (0: all)"""
+    resume: str | None = None
+    """continue from a checkpoint folder (.../checkpoints/iter_000100), or 'latest' in --output-dir"""
+    compile: bool = False
+    """wrap the models' forward passes with torch.compile"""
+    task: Annotated[TaskArgs, tyro.conf.arg(name="")] = field(default_factory=TaskArgs)
+    gen: Annotated[GenArgs, tyro.conf.arg(name="")] = field(default_factory=GenArgs)
+    rloo: Annotated[RLOOHParams, tyro.conf.arg(name="")] = field(default_factory=RLOOHParams)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The built-in task: a character tokenizer, a tiny model, and single-digit addition with partial credit
+
+
+BUILTIN_CHARS = "0123456789+-*=\n "
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level tokenizer over BUILTIN_CHARS, built offline with the `tokenizers` library."""
+    vocab = {t: i for i, t in enumerate(["<pad>", "<bos>", "<eos>", "<unk>", *BUILTIN_CHARS])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>",
+                                        eos_token="<eos>", unk_token="<unk>", padding_side="left")
+    tokenizer.chat_template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    return tokenizer
+
+
+def build_tiny_model(tokenizer: PreTrainedTokenizerFast, hidden: int = 64, layers: int = 2) -> torch.nn.Module:
+    """A Llama-shaped causal LM built from config (random init; seed torch first for a fixed one)."""
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=4 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
+                         max_position_embeddings=256, tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def addition_prompt(rng: random.Random) -> dict:
+    """One prompt row of the built-in task: 'a+b=' with single digits, and its answer."""
+    a, b = rng.randrange(10), rng.randrange(10)
+    return {"prompt": f"{a}+{b}=", "answer": str(a + b)}
+
+
+def addition_eval_rows() -> list[dict]:
+    """The built-in task's fixed evaluation set: all 100 sums."""
+    return [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(10) for b in range(10)]
+
+
+def addition_reward(prompts, completions, completion_ids, answer, tokenizer, **kwargs) -> list[float]:
+    """1.0 for the exact answer followed by EOS; else partial credit: 0.5 x the fraction of the answer's digits in
+    place. From random init a 0/1 reward gives almost no signal; this one learns (see docs/ppo.md)."""
+    scores = []
+    for text, ids, ans in zip(completions, completion_ids, answer):
+        if list(ids) == tokenizer(ans, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]:
+            scores.append(1.0)
+        else:
+            scores.append(0.5 * sum(c == a for c, a in zip(text, ans)) / len(ans))
+    return scores
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Loading: callables, models, prompts and rewards
+
+
+def fail(flag: str, value: Any, fix: str) -> NoReturn:
+    """Stop the run with one line that names the flag, its value and the fix (no traceback)."""
+    raise SystemExit(f"error: {flag} {value!r}: {fix}")
+
+
+def load_callable(spec: str, flag: str) -> Callable:
+    """Import 'module:function' or 'path/to/file.py:function'."""
+    target, _, name = spec.rpartition(":")
+    if not target or not name:
+        fail(flag, spec, "write it as module:function or path/to/file.py:function")
+    try:
+        if target.endswith(".py"):
+            if not os.path.isfile(target):
+                fail(flag, spec, f"there is no file {target}; check the path")
+            module_spec = importlib.util.spec_from_file_location(Path(target).stem, target)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            if os.getcwd() not in sys.path:
+                sys.path.insert(0, os.getcwd())
+            module = importlib.import_module(target)
+    except ImportError as e:
+        fail(flag, spec, f"cannot import {target} ({e}); check the module name and that it is on the path")
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        fail(flag, spec, f"{target} has no function {name}; check the name after ':'")
+    return fn
+
+
+def load_pretrained(auto_cls, name: str, flag: str, trust_remote_code: bool = False, **kwargs) -> Any:
+    """from_pretrained with a one-line error when the folder or hub id cannot be loaded."""
+    try:
+        return auto_cls.from_pretrained(name, trust_remote_code=trust_remote_code, **kwargs)
+    except (OSError, ValueError) as e:
+        hint = "no such folder, and" if not os.path.isdir(name) else "the folder exists but"
+        fail(flag, name, f"{hint} it cannot be loaded ({str(e).splitlines()[0][:120]}); give a folder written by "
+                         "save_pretrained or a Hugging Face id (offline runs need a local folder)")
+
+
+def load_policy(name: str, trust_remote_code: bool) -> tuple:
+    """Tokenizer (left padding, a pad token) and causal LM: the built-in pair, or any Hugging Face id or folder."""
+    if name == "builtin":
+        tokenizer = build_tokenizer()
+        return tokenizer, build_tiny_model(tokenizer)
+    tokenizer = load_pretrained(AutoTokenizer, name, "--model", trust_remote_code)
+    policy = load_pretrained(AutoModelForCausalLM, name, "--model", trust_remote_code)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    policy.config.pad_token_id = tokenizer.pad_token_id
+    return tokenizer, policy
+
+
+def model_context(model) -> int:
+    """The most positions the model takes."""
+    return getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None) or 10**9
+
+
+def check_task(task: TaskArgs) -> bool:
+    """Validate a task's flags before anything is loaded; True when it is the built-in task."""
+    has_prompts, has_reward = bool(task.dataset or task.prompt_fn), bool(task.reward_fn or task.reward_model)
+    if task.dataset and task.prompt_fn:
+        fail("--prompt-fn", task.prompt_fn, "give one prompt source: --dataset or --prompt-fn, not both")
+    if has_reward and not has_prompts:
+        fail("--dataset", None, "your reward needs prompts: give --dataset or --prompt-fn (the built-in task applies "
+                                "only when no reward is given; its prompt function is this script's addition_prompt)")
+    if has_prompts and not has_reward:
+        fail("--reward-fn", [], "these prompts need a reward: give --reward-fn and/or --reward-model")
+    if task.reward_weights is not None and len(task.reward_weights) != len(task.reward_fn):
+        fail("--reward-weights", task.reward_weights, f"give one weight per --reward-fn ({len(task.reward_fn)})")
+    return not has_prompts
+
+
+def load_prompt_dataset(path: str, split: str, column: str) -> datasets.Dataset:
+    """A hub dataset or a local json/jsonl/parquet/csv file or folder, with its prompt column renamed 'prompt'."""
+    kinds = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+    try:
+        if os.path.isfile(path):
+            if Path(path).suffix not in kinds:
+                fail("--dataset", path, f"unknown file type; use one of {sorted(kinds)}")
+            ds = datasets.load_dataset(kinds[Path(path).suffix], data_files={split: path}, split=split)
+        else:
+            ds = datasets.load_dataset(path, split=split)
+    except (FileNotFoundError, ValueError, datasets.exceptions.DatasetNotFoundError) as e:
+        fail("--dataset", path, f"cannot load split {split!r} ({str(e).splitlines()[0][:120]}); check the path, "
+                                "the hub id and --dataset-split/--eval-split")
+    if column not in ds.column_names:
+        fail("--prompt-column", column, f"the dataset has no such column; it has {ds.column_names}")
+    return ds.rename_column(column, "prompt") if column != "prompt" else ds
+
+
+def check_row(row: Any, spec: str | None) -> dict:
+    """A prompt row must be a dict with a 'prompt'."""
+    if not isinstance(row, dict) or "prompt" not in row:
+        fail("--prompt-fn", spec, f"returned {str(row)[:60]!r}; return a dict with a 'prompt' key (and any extra "
+                                  "columns for the reward functions)")
+    return row
+
+
+def render_prompt(tokenizer, prompt: str | list) -> list[int]:
+    """Token ids of a prompt: chat messages go through the tokenizer's chat template."""
+    if isinstance(prompt, str):
+        return tokenizer(prompt).input_ids
+    if not tokenizer.chat_template:
+        fail("--model", tokenizer.name_or_path, "the prompts are chat messages but the tokenizer has no chat template")
+    text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def load_task(task: TaskArgs, tokenizer, context: int, max_new_tokens: int) -> dict:
+    """Prompt source, fixed evaluation rows and scorers of a task (validated by check_task)."""
+    if task.dataset:
+        source = load_prompt_dataset(task.dataset, task.dataset_split, task.prompt_column)
+        evals = load_prompt_dataset(task.dataset, task.eval_split, task.prompt_column) if task.eval_split else source
+        eval_rows = [evals[i] for i in range(min(task.num_eval_prompts, len(evals)))]
+        longest = max(len(render_prompt(tokenizer, p)) for p in source["prompt"])
+        if longest + max_new_tokens > context:
+            fail("--dataset", task.dataset, f"its longest prompt ({longest} tokens) plus --max-new-tokens exceeds "
+                                            f"the model's context of {context}; filter the prompts or lower "
+                                            "--max-new-tokens")
+    elif task.prompt_fn:
+        source = load_callable(task.prompt_fn, "--prompt-fn")
+        eval_rng = random.Random(0)  # the same evaluation prompts for every seed
+        eval_rows = [check_row(source(eval_rng), task.prompt_fn) for _ in range(task.num_eval_prompts)]
+    else:
+        source, eval_rows = addition_prompt, addition_eval_rows()
+    reward_fns = [(spec, load_callable(spec, "--reward-fn")) for spec in task.reward_fn]
+    if not (task.reward_fn or task.reward_model):
+        reward_fns = [("builtin:addition_reward", functools.partial(addition_reward, tokenizer=tokenizer))]
+    reward_model = rm_tokenizer = None
+    if task.reward_model:
+        rm_tokenizer = load_pretrained(AutoTokenizer, task.reward_model, "--reward-model")
+        reward_model = load_pretrained(AutoModelForSequenceClassification, task.reward_model, "--reward-model",
+                                       num_labels=1).eval().requires_grad_(False)
+        rm_tokenizer.pad_token = rm_tokenizer.pad_token or rm_tokenizer.eos_token
+        reward_model.config.pad_token_id = rm_tokenizer.pad_token_id
+    return {"args": task, "source": source, "eval_rows": eval_rows, "reward_fns": reward_fns,
+            "weights": task.reward_weights or [1.0] * len(reward_fns), "reward_model": reward_model,
+            "rm_tokenizer": rm_tokenizer, "context": context}
+
+
+def draw_rows(task: dict, state: dict, n: int, seed: int) -> list[dict]:
+    """The next n prompt rows: a dataset is walked in a fresh seeded order each epoch; a prompt function is called
+    with the random.Random in `state`. `state` is all the position there is, and goes into checkpoints."""
+    source = task["source"]
+    if callable(source):
+        return [check_row(source(state["rng"]), task["args"].prompt_fn) for _ in range(n)]
+    rows = []
+    while len(rows) < n:
+        order = torch.randperm(len(source), generator=torch.Generator().manual_seed(seed + state["epoch"]))
+        take = order[state["pos"]: state["pos"] + n - len(rows)].tolist()
+        rows += [source[i] for i in take]
+        state["pos"] += len(take)
+        if state["pos"] >= len(source):
+            state["epoch"], state["pos"] = state["epoch"] + 1, 0
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Generation and scoring
+
+
+def left_pad(seqs: list[list[int]], pad_token_id: int) -> torch.Tensor:
+    """[B, L] left-padded ids."""
+    width = max(len(s) for s in seqs)
+    return torch.tensor([[pad_token_id] * (width - len(s)) + s for s in seqs])
+
+
+def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that skip left padding (absolute-position models such as GPT-2 need them)."""
+    return (attention_mask.cumsum(1) - 1).clamp(min=0)
+
+
+def generation_configs(gen: GenArgs, tokenizer, temperature: float) -> tuple[GenerationConfig, GenerationConfig]:
+    """The sampling configuration for rollouts and the greedy one for evaluation."""
+    common = dict(max_new_tokens=gen.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                  eos_token_id=tokenizer.eos_token_id)
+    sample = GenerationConfig(do_sample=True, temperature=temperature, top_k=gen.top_k, top_p=gen.top_p,
+                              min_p=gen.min_p or None, repetition_penalty=gen.repetition_penalty, **common)
+    return sample, GenerationConfig(do_sample=False, **common)
+
+
+def cut_responses(tokenizer, responses: torch.Tensor, stop_strings: list[str]) -> tuple:
+    """Cut each response after its first EOS or stop string (both kept) and pad the rest. Returns responses [B, T],
+    lengths [B] and ended [B] (bool: it ended with EOS or a stop string)."""
+    rows, lengths, ended = responses.tolist(), [], []
+    for row in rows:
+        n = row.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in row else len(row)
+        done = tokenizer.eos_token_id in row
+        if stop_strings and any(s in tokenizer.decode(row[:n]) for s in stop_strings):
+            n = next(k for k in range(1, n + 1) if any(s in tokenizer.decode(row[:k]) for s in stop_strings))
+            done = True
+        row[n:] = [tokenizer.pad_token_id] * (len(row) - n)
+        lengths.append(n)
+        ended.append(done)
+    return torch.tensor(rows, dtype=torch.long), torch.tensor(lengths), torch.tensor(ended)
+
+
+@torch.no_grad()
+def generate(policy, tokenizer, queries: torch.Tensor, gen: GenerationConfig, stop_strings: list[str]) -> tuple:
+    """Sample (or greedily decode) responses to left-padded queries; returns cut_responses' triple. All processes
+    keep stepping until every one is done (synced_gpus), which sharded models need."""
+    attention_mask = ((queries != tokenizer.pad_token_id).cumsum(1) > 0).long()  # left padding only
+    Lq = queries.shape[1]
+    stop = lambda ids, scores, **kw: torch.tensor([any(s in t for s in stop_strings)  # noqa: E731
+                                                   for t in tokenizer.batch_decode(ids[:, Lq:])], device=ids.device)
+    out = policy.generate(input_ids=queries, attention_mask=attention_mask, generation_config=gen,
+                          stopping_criteria=StoppingCriteriaList([stop]) if stop_strings else None,
+                          synced_gpus=torch.distributed.is_initialized())
+    return cut_responses(tokenizer, out[:, Lq:].cpu(), stop_strings)
+
+
+def call_reward_fns(reward_fns: list, weights: list[float], prompts: list, completions: list,
+                    completion_ids: list, columns: dict) -> torch.Tensor:
+    """Weighted sum of TRL-style reward functions; [B]. Any bad output stops the run with a clear line."""
+    total = torch.zeros(len(completions))
+    for (spec, fn), w in zip(reward_fns, weights):
+        try:
+            out = list(fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns))
+        except Exception as e:  # noqa: BLE001 -- any error in user code becomes one line
+            fail("--reward-fn", spec, f"the function raised {type(e).__name__}: {e}; fix the function")
+        if len(out) != len(completions):
+            fail("--reward-fn", spec, f"returned {len(out)} scores for {len(completions)} completions; return one "
+                                      "float per completion")
+        for i, v in enumerate(out):
+            if not isinstance(v, (int, float)) or not math.isfinite(v):
+                fail("--reward-fn", spec, f"returned {v!r} for completion {i}; return a finite float for each")
+        total += w * torch.tensor(out, dtype=torch.float)
+    return total
+
+
+@torch.no_grad()
+def reward_model_scores(reward_model, rm_tokenizer, texts: list[str]) -> torch.Tensor:
+    """Scalar score of each prompt+completion text from a one-label sequence classifier; [B]."""
+    enc = rm_tokenizer(texts, return_tensors="pt", padding=True, padding_side="right")
+    return reward_model(**enc.to(reward_model.device)).logits[:, 0].float().cpu()
+
+
+def rollout(policy, tokenizer, rows: list[dict], gen: GenerationConfig, stop_strings: list[str], task: dict) -> dict:
+    """Generate responses to prompt rows and score them. Returns queries [B, Lq], responses [B, T], masks [B, T]
+    (1 on response tokens), scores [B], ended [B], and the prompts and completion texts."""
+    prompts = [r["prompt"] for r in rows]
+    ids = [render_prompt(tokenizer, p) for p in prompts]
+    if max(map(len, ids)) + gen.max_new_tokens > task["context"]:
+        fail("--max-new-tokens", gen.max_new_tokens, f"a prompt of {max(map(len, ids))} tokens plus the new tokens "
+             f"exceeds the model's context of {task['context']}; shorten the prompts or lower --max-new-tokens")
+    queries = left_pad(ids, tokenizer.pad_token_id)
+    device = next(policy.parameters()).device
+    responses, lengths, ended = generate(policy, tokenizer, queries.to(device), gen, stop_strings)
+    completion_ids = [row[:n] for row, n in zip(responses.tolist(), lengths.tolist())]
+    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    chat = not isinstance(prompts[0], str)
+    completions = [[{"role": "assistant", "content": t}] for t in texts] if chat else texts
+    columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt"}
+    scores = call_reward_fns(task["reward_fns"], task["weights"], prompts, completions, completion_ids, columns)
+    if task["reward_model"] is not None:
+        full = [q + t for q, t in zip(tokenizer.batch_decode(ids, skip_special_tokens=True), texts)]
+        scores += task["args"].reward_model_weight * reward_model_scores(task["reward_model"], task["rm_tokenizer"],
+                                                                         full)
+    if task["args"].missing_eos_penalty is not None:
+        scores[~ended] -= task["args"].missing_eos_penalty
+    masks = (torch.arange(responses.shape[1])[None] < lengths[:, None]).long()
+    return {"queries": queries, "responses": responses, "masks": masks, "scores": scores, "ended": ended,
+            "prompts": prompts, "texts": texts}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# RLOO math: small pure functions on tensors
+
+
+def response_valid_mask(responses: torch.Tensor, pad_token_id: int, eos_token_id: int | None = None,
+                        masks: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, T] bool: the tokens of each response, its final EOS included, padding excluded. A response ends after its
+    first EOS; when pad != EOS, trailing pad tokens are padding; trailing zeros of `masks` are padding too."""
+    B, T = responses.shape
+    length = torch.full((B,), T, device=responses.device)
+    if eos_token_id is not None:
+        is_eos = responses == eos_token_id
+        length = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, length)
+    if pad_token_id != eos_token_id:
+        length = torch.minimum(length, T - (responses.flip(1) == pad_token_id).int().cumprod(1).sum(1))
+    if masks is not None:
+        length = torch.minimum(length, T - (masks.flip(1) == 0).int().cumprod(1).sum(1))
+    return torch.arange(T, device=responses.device)[None] < length[:, None]
+
+
+def world_size() -> int:
+    """Number of processes (1 without torchrun)."""
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+
+def global_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over all processes (identity in a single process)."""
+    if torch.distributed.is_initialized():
+        x = x.clone()
+        torch.distributed.all_reduce(x)
+    return x
+
+
+def sync_gradients(params: list[torch.nn.Parameter]) -> None:
+    """Average gradients over processes, what DistributedDataParallel does after backward (left to FSDP when the
+    parameters are sharded DTensors, whose gradients it has already reduced)."""
+    if not torch.distributed.is_initialized():
+        return
+    grads = [p.grad for p in params if p.grad is not None and not hasattr(p.grad, "placements")]
+    if grads:
+        flat = torch.cat([g.flatten() for g in grads])
+        torch.distributed.all_reduce(flat)
+        flat /= torch.distributed.get_world_size()
+        for g, chunk in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(chunk.view_as(g))
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of x over mask (0 when the mask is empty)."""
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token KL estimate of policy from reference: k1 = logp - ref, k3 = exp(r) - 1 - r with r = ref - logp."""
+    if estimator == "k1":
+        return logprobs - ref_logprobs
+    r = ref_logprobs - logprobs
+    return r.exp() - 1 - r
+
+
+def rloo_advantages(rewards: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Leave-one-out: the baseline of each sample is the mean reward of the other k - 1 samples of its prompt.
+    rewards [B] with the k samples of each prompt contiguous; returns advantages [B] and baselines [B]."""
+    grouped = rewards.view(-1, k)  # [P, k]
+    baselines = (grouped.sum(1, keepdim=True) - grouped) / (k - 1)
+    return (grouped - baselines).flatten(), baselines.flatten()
+
+
+def shared_prefix_logprobs(policy, queries: torch.Tensor, responses: torch.Tensor, valid: torch.Tensor,
+                           pad_token_id: int, temperature: float, with_entropy: bool = False) -> tuple:
+    """Logprobs [B, T] (and entropy [B, T]) of k responses per prompt, forwarding each prompt once: its KV cache is
+    computed once and repeated k times. queries [P, Lq] left-padded, one per prompt; responses, valid [B, T]."""
+    k = responses.shape[0] // queries.shape[0]
+    query_mask = ((queries != pad_token_id).cumsum(1) > 0).long()
+    prefix = policy(input_ids=queries, attention_mask=query_mask, position_ids=position_ids_from(query_mask),
+                    use_cache=True, logits_to_keep=1)
+    cache = prefix.past_key_values
+    cache.batch_repeat_interleave(k)
+    mask = torch.cat([query_mask.repeat_interleave(k, 0), valid.long()], 1)  # [B, Lq + T]
+    out = policy(input_ids=responses, attention_mask=mask, position_ids=position_ids_from(mask)[:, queries.shape[1]:],
+                 cache=cache)
+    logits = torch.cat([prefix.logits.repeat_interleave(k, 0), out.logits[:, :-1]], 1).float() / temperature
+    lse = logits.logsumexp(-1)  # [B, T, V] -> [B, T]
+    logprobs = logits.gather(-1, responses.unsqueeze(-1)).squeeze(-1) - lse
+    entropy = lse - (logits.softmax(-1) * logits).sum(-1) if with_entropy else None
+    return logprobs, entropy
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The RLOO update
+
+
+def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: torch.Tensor, rewards: torch.Tensor,
+              masks: torch.Tensor | None = None, *, hp: RLOOHParams, pad_token_id: int,
+              eos_token_id: int | None = None) -> dict[str, float]:
+    """One RLOO update on a batch of finished episodes, k = hp.rloo_k samples per prompt, contiguous:
+    [p0s0, p0s1, ..., p1s0, ...].
+
+    queries [B, Lq] (or [B / k, Lq], one per prompt) left-padded prompt ids; responses [B, T] right-padded response
+    ids (a response ends after its first EOS); rewards [B] (one score per response) or [B, T] (per-token, summed per
+    response); masks [B, T] with 0 on response tokens that must not be trained on (tool output: no gradient, no KL).
+    Returns metrics.
+    """
+    B, T = responses.shape
+    k = hp.rloo_k
+    if k < 2 or B % k:
+        raise ValueError(f"a batch of {B} responses does not hold whole groups of rloo_k = {k} (k must be >= 2)")
+    P = B // k
+    micro = P // (hp.num_mini_batches * hp.gradient_accumulation_steps)
+    if micro * hp.num_mini_batches * hp.gradient_accumulation_steps != P:
+        raise ValueError(f"{P} prompts do not split into {hp.num_mini_batches} mini-batches x "
+                         f"{hp.gradient_accumulation_steps} accumulation steps")
+    device = next(policy.parameters()).device
+    queries, responses, rewards = queries.to(device), responses.to(device), rewards.to(device).float()
+    if queries.shape[0] == B:
+        if not torch.equal(queries.view(P, k, -1), queries[::k, None].expand(P, k, queries.shape[1])):
+            raise ValueError("the k samples of each prompt must be contiguous and share one query")
+        queries = queries[::k]  # [P, Lq]
+
+    # 1. Masks: `valid` is the response itself (padding excluded), `train` the valid tokens not masked out.
+    valid = response_valid_mask(responses, pad_token_id, eos_token_id, None if masks is None else masks.to(device))
+    train = valid & (masks.to(device).bool() if masks is not None else True)
+
+    # 2. Rollout forward passes without gradients, in chunks of whole prompts, each prompt forwarded once:
+    # reference logprobs for the KL, and the policy's old logprobs when the update is not purely on-policy.
+    need_old = hp.num_ppo_epochs > 1 or hp.num_mini_batches > 1 or (hp.kl_in_reward and hp.kl_coef > 0)
+    per_chunk = max(1, hp.forward_batch_size // k)
+    chunks = [(slice(p, p + per_chunk), slice(p * k, (p + per_chunk) * k)) for p in range(0, P, per_chunk)]
+    logprobs_of = lambda model: torch.cat([shared_prefix_logprobs(  # noqa: E731
+        model, queries[q], responses[r], valid[r], pad_token_id, hp.temperature)[0] for q, r in chunks])
+    with torch.no_grad():
+        # (when purely on-policy, the training forward below fills old_logprobs: they equal the new ones, detached)
+        old_logprobs = logprobs_of(policy) if need_old else torch.zeros(B, T, device=device)
+        ref_logprobs = logprobs_of(ref_policy) if hp.kl_coef > 0 else None
+        kl_of = lambda logprobs: kl_penalty(logprobs, ref_logprobs, hp.kl_estimator) * train \
+            if ref_logprobs is not None else torch.zeros(B, T, device=device)  # noqa: E731
+
+        # 3. Sequence rewards: score minus kl_coef x the summed KL of the trained tokens (when the KL is in the reward).
+        scores = rewards if rewards.dim() == 1 else (rewards * valid).sum(1)
+        non_score = -hp.kl_coef * kl_of(old_logprobs).sum(1) if hp.kl_in_reward else torch.zeros_like(scores)
+        sequence_rewards = scores + non_score  # [B]
+
+        # 4. Leave-one-out baselines and advantages (optionally normalised by their standard deviation).
+        advantages, baselines = rloo_advantages(sequence_rewards, k)
+        n = global_sum(torch.tensor(float(B), device=device))
+        advantage_std = torch.sqrt(global_sum((advantages ** 2).sum()) / n)  # the advantages have mean 0 per prompt
+        if hp.normalize_advantages:
+            advantages = advantages / (advantage_std + 1e-8)
+        equal_groups = (sequence_rewards.view(P, k) == sequence_rewards.view(P, k)[:, :1]).all(1).float().mean()
+
+    # 5. Clipped policy-gradient epochs over shuffled mini-batches of whole prompts; the sequence advantage weights
+    # every trained token; losses are token sums over the mini-batch's token count on all processes.
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    stats = {k_: [] for k_ in ("pg_loss", "kl_loss", "approxkl", "clipfrac", "entropy", "ratio")}
+    mini = P // hp.num_mini_batches
+    for _ in range(hp.num_ppo_epochs):
+        order = torch.randperm(P, device=device)
+        for start in range(0, P, mini):
+            mb = order[start:start + mini]
+            rows = (mb[:, None] * k + torch.arange(k, device=device)).flatten()
+            n_train = global_sum(train[rows].sum().float()).clamp(min=1) / world_size()
+            for m in range(0, mini, micro):
+                pi = mb[m:m + micro]
+                i = (pi[:, None] * k + torch.arange(k, device=device)).flatten()
+                new_logprobs, entropy = shared_prefix_logprobs(policy, queries[pi], responses[i], valid[i],
+                                                               pad_token_id, hp.temperature, with_entropy=True)
+                if not need_old:
+                    old_logprobs[i] = new_logprobs.detach()
+                log_ratio = new_logprobs - old_logprobs[i]
+                ratio = log_ratio.exp()
+                adv = advantages[i, None]
+                pg_losses = torch.max(-adv * ratio, -adv * ratio.clamp(1 - hp.cliprange, 1 + hp.cliprange))
+                loss = (pg_losses * train[i]).sum() / n_train
+                kl_losses = kl_penalty(new_logprobs, ref_logprobs[i], hp.kl_estimator) if hp.kl_coef > 0 \
+                    else torch.zeros_like(new_logprobs)
+                if not hp.kl_in_reward:
+                    loss = loss + hp.kl_coef * (kl_losses * train[i]).sum() / n_train
+                loss.backward()
+                with torch.no_grad():
+                    t = train[i]
+                    stats["pg_loss"].append(masked_mean(pg_losses, t))
+                    stats["kl_loss"].append(masked_mean(kl_losses, t))
+                    stats["approxkl"].append(0.5 * masked_mean(log_ratio ** 2, t))
+                    stats["clipfrac"].append(masked_mean(((ratio - 1).abs() > hp.cliprange).float(), t))
+                    stats["entropy"].append(masked_mean(entropy, t))
+                    stats["ratio"].append(masked_mean(ratio, t))
+            sync_gradients(params)
+            torch.nn.utils.clip_grad_norm_(params, hp.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    # 6. Metrics (means over this process's batch; the caller averages them over processes).
+    ratios = torch.stack(stats["ratio"])
+    mean = lambda key: torch.stack(stats[key]).mean().item()  # noqa: E731
+    last = (valid.sum(1) - 1).clamp(min=0)
+    eos = (responses.gather(1, last[:, None])[:, 0] == eos_token_id) & valid.any(1) if eos_token_id is not None \
+        else torch.zeros(B, dtype=torch.bool, device=device)
+    return {
+        "objective/kl": kl_of(old_logprobs).sum(1).mean().item(),
+        "objective/entropy": (-old_logprobs * train).sum(1).mean().item(),
+        "objective/non_score_reward": non_score.mean().item(),
+        "objective/rlhf_reward": sequence_rewards.mean().item(),
+        "objective/scores": scores.mean().item(),
+        "policy/approxkl_avg": mean("approxkl"),
+        "policy/clipfrac_avg": mean("clipfrac"),
+        "policy/entropy_avg": mean("entropy"),
+        "loss/policy_avg": mean("pg_loss"),
+        "loss/kl_avg": mean("kl_loss"),
+        "val/ratio": ratios.mean().item(),
+        "val/ratio_var": ratios.var().item() if len(ratios) > 1 else 0.0,
+        "val/num_eos_tokens": eos.sum().item(),
+        "val/response_length": valid.sum(1).float().mean().item(),
+        "rloo/baseline_avg": baselines.mean().item(),
+        "rloo/advantage_std": advantage_std.item(),
+        "rloo/frac_equal_groups": equal_groups.item(),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Run plumbing: processes, evaluation, run records, checkpoints
+
+
+def setup_distributed() -> tuple[int, int, torch.device]:
+    """Rank, world size and device. Under torchrun, joins the process group: nccl on GPUs, gloo on CPUs."""
+    if "RANK" not in os.environ:
+        return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return torch.distributed.get_rank(), torch.distributed.get_world_size(), device
+
+
+def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
+    """Set every dropout probability to 0 (dropout would make the PPO ratio noisy)."""
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    return model
+
+
+def average_metrics(metrics: dict, device: torch.device) -> dict:
+    """The mean of each metric over all processes."""
+    values = global_sum(torch.tensor(list(metrics.values()), dtype=torch.float64, device=device))
+    return dict(zip(metrics, (values / world_size()).tolist()))
+
+
+def evaluate(policy, tokenizer, task: dict, greedy: GenerationConfig, stop_strings: list[str], rank: int,
+             world: int) -> tuple[dict, list]:
+    """Greedy decoding on the task's fixed evaluation rows (split over processes): mean score and task/accuracy
+    (the fraction reaching --success-threshold), and a few samples."""
+    out = rollout(policy, tokenizer, task["eval_rows"][rank::world], greedy, stop_strings, task)
+    device = next(policy.parameters()).device
+    success = (out["scores"] >= task["args"].success_threshold).sum()
+    total = global_sum(torch.tensor([out["scores"].sum(), success, len(out["scores"])], dtype=torch.float64,
+                                    device=device)).tolist()
+    samples = [[str(p), t, s] for p, t, s in zip(out["prompts"], out["texts"], out["scores"].tolist())][:16]
+    return {"eval/scores": total[0] / total[2], "task/accuracy": total[1] / total[2]}, samples
+
+
+def open_run(args, output_dir: Path, start: int, run_name: str) -> tuple[Path, Any]:
+    """Write config.json, cut metrics.jsonl back to the rows before `start` (a resumed run repeats none), and open
+    a wandb run when --track is on. Rank 0 only."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "config.json").write_text(json.dumps(asdict(args), indent=2))
+    path = output_dir / "metrics.jsonl"
+    kept = [r for r in path.read_text().splitlines() if json.loads(r)["iteration"] < start] \
+        if start > 1 and path.exists() else []
+    path.write_text("".join(r + "\n" for r in kept))
+    run = None
+    if args.track:
+        import wandb
+
+        run = wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=run_name, id=run_name,
+                         resume="allow", config=asdict(args), dir=str(output_dir), save_code=True)
+    return path, run
+
+
+def log_row(path: Path | None, run, row: dict, samples: list | None = None) -> None:
+    """Append one row to metrics.jsonl, and to wandb with a table of sample completions."""
+    if path is None:
+        return
+    with path.open("a") as f:
+        f.write(json.dumps(row) + "\n")
+    if run is not None:
+        import wandb
+
+        if samples:
+            run.log({"samples": wandb.Table(columns=["prompt", "completion", "score"], data=samples)}, commit=False)
+        run.log(row, step=row["iteration"])
+
+
+def rng_states() -> dict:
+    """This process's random number generator states."""
+    return {"python": random.getstate(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+
+
+def set_rng_states(states: dict) -> None:
+    """Restore what rng_states saved."""
+    random.setstate(states["python"])
+    torch.set_rng_state(states["torch"])
+    if states["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["cuda"])
+
+
+def save_checkpoint(folder: Path, models: dict, tokenizer, state: dict, keep: int) -> None:
+    """Write a checkpoint (each model in its own folder, the tokenizer beside the first) into a temporary folder,
+    then rename it into place, so a crash never leaves a half one; keep the newest `keep` checkpoints (0: all)."""
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    for name, model in models.items():
+        model.save_pretrained(tmp / name)
+    tokenizer.save_pretrained(tmp / next(iter(models)))
+    torch.save(state, tmp / "state.pt")
+    shutil.rmtree(folder, ignore_errors=True)
+    os.replace(tmp, folder)
+    for old in sorted(folder.parent.glob("iter_*[0-9]"))[:-keep] if keep > 0 else []:
+        shutil.rmtree(old)
+
+
+def find_checkpoint(resume: str, output_dir: Path) -> Path:
+    """The checkpoint folder that --resume names ('latest': the newest complete one in --output-dir)."""
+    if resume == "latest":
+        found = sorted(p for p in (output_dir / "checkpoints").glob("iter_*[0-9]") if (p / "state.pt").exists())
+        if not found:
+            fail("--resume", resume, f"no complete checkpoint in {output_dir / 'checkpoints'}; check --output-dir")
+        return found[-1]
+    if not (Path(resume) / "state.pt").exists():
+        fail("--resume", resume, "not a checkpoint folder (no state.pt); give .../checkpoints/iter_NNNNNN or 'latest'")
+    return Path(resume)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The training loop
+
+
+def main(args: Args) -> None:
+    hp, gen = args.rloo, args.gen
+    # ---- validate the configuration before anything is loaded
+    rank, world, device = setup_distributed()
+    builtin_task = check_task(args.task)
+    gen.max_new_tokens = gen.max_new_tokens or (4 if builtin_task else 64)
+    if hp.rloo_k < 2:
+        fail("--rloo-k", hp.rloo_k, "needs at least 2 samples per prompt for a leave-one-out baseline")
+    local_prompts = args.batch_size // (hp.rloo_k * world)
+    if args.batch_size % (hp.rloo_k * world) or local_prompts % (hp.num_mini_batches * hp.gradient_accumulation_steps):
+        fail("--batch-size", args.batch_size, f"must be divisible by --rloo-k ({hp.rloo_k}) x {world} process(es) x "
+             f"--num-mini-batches ({hp.num_mini_batches}) x --gradient-accumulation-steps "
+             f"({hp.gradient_accumulation_steps})")
+    num_iterations = args.total_episodes // args.batch_size
+    if num_iterations < 1:
+        fail("--total-episodes", args.total_episodes, f"must be at least --batch-size ({args.batch_size})")
+    if args.resume and args.resume != "latest" and args.output_dir is None:
+        args.output_dir = str(Path(args.resume).parent.parent)
+    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    output_dir = Path(args.output_dir or f"runs/{run_name}")
+    ckpt = find_checkpoint(args.resume, output_dir) if args.resume else None
+
+    # ---- models: policy and frozen reference (no value model); the same initial weights in every process
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    tokenizer, policy = load_policy(args.model, args.trust_remote_code)
+    ref_policy = disable_dropout(copy.deepcopy(policy)).eval().requires_grad_(False)
+    task = load_task(args.task, tokenizer, model_context(policy), gen.max_new_tokens)
+    if len(task["eval_rows"]) < world:
+        fail("--num-eval-prompts", args.task.num_eval_prompts, f"give at least one per process ({world})")
+    if ckpt is not None:
+        policy.load_state_dict(AutoModelForCausalLM.from_pretrained(ckpt / "policy").state_dict())
+    for model in (policy, ref_policy, task["reward_model"]):
+        disable_dropout(model.to(device)) if model is not None else None
+    lr = args.learning_rate or (1e-3 if args.model == "builtin" else 3e-6)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=lr, eps=1e-5)
+
+    # ---- seeding per process (ranks sample differently), or the saved state of a resumed run
+    random.seed(args.seed + rank)
+    torch.manual_seed(args.seed + rank)
+    start, episode, elapsed = 1, 0, 0.0
+    prompt_state = {"epoch": 0, "pos": 0, "rng": random.Random(args.seed)}
+    if ckpt is not None:
+        state = torch.load(ckpt / "state.pt", weights_only=False)
+        optimizer.load_state_dict(state["optimizer"])
+        set_rng_states(state["rng"][rank % len(state["rng"])])
+        prompt_state, run_name = state["prompt_state"], state["run_name"]
+        start, episode, elapsed = state["iteration"] + 1, state["episode"], state["elapsed"]
+    if args.compile:
+        for model in (policy, ref_policy):
+            model.forward = torch.compile(model.forward, dynamic=True)
+    metrics_path, run = open_run(args, output_dir, start, run_name) if rank == 0 else (None, None)
+    sample, greedy = generation_configs(gen, tokenizer, hp.temperature)
+
+    if start == 1:
+        metrics, samples = evaluate(policy, tokenizer, task, greedy, gen.stop_strings, rank, world)
+        log_row(metrics_path, run, {"iteration": 0, "episode": 0, "elapsed_s": 0.0, **metrics}, samples)
+    progress = tqdm(range(start, num_iterations + 1), initial=start - 1, total=num_iterations, desc="rloo",
+                    disable=rank != 0)
+    t0 = time.time() - elapsed
+    for iteration in progress:
+        if args.anneal_lr:
+            optimizer.param_groups[0]["lr"] = lr * (1 - (iteration - 1) / num_iterations)
+        prompts = draw_rows(task, prompt_state, args.batch_size // hp.rloo_k, args.seed)
+        rows = [r for r in prompts[rank * local_prompts:(rank + 1) * local_prompts] for _ in range(hp.rloo_k)]
+        out = rollout(policy, tokenizer, rows, sample, gen.stop_strings, task)
+        metrics = rloo_step(policy, ref_policy, optimizer, out["queries"], out["responses"], out["scores"],
+                            out["masks"], hp=hp, pad_token_id=tokenizer.pad_token_id,
+                            eos_token_id=tokenizer.eos_token_id)
+        episode += args.batch_size
+        row = {"iteration": iteration, "episode": episode, "elapsed_s": round(time.time() - t0, 3),
+               "lr": optimizer.param_groups[0]["lr"], **average_metrics(metrics, device)}
+        samples = None
+        if iteration % args.eval_every == 0 or iteration == num_iterations:
+            eval_metrics, samples = evaluate(policy, tokenizer, task, greedy, gen.stop_strings, rank, world)
+            row.update(eval_metrics)
+        log_row(metrics_path, run, row, samples)
+        progress.set_postfix(score=f"{row['objective/scores']:.3f}", kl=f"{row['objective/kl']:.3f}",
+                             acc=row.get("task/accuracy", ""))
+        if args.save_every and iteration % args.save_every == 0:
+            rngs = [rng_states()] * world
+            if world > 1:
+                torch.distributed.all_gather_object(rngs, rng_states())
+            state = {"iteration": iteration, "episode": episode, "elapsed": time.time() - t0, "run_name": run_name,
+                     "optimizer": optimizer.state_dict(), "rng": rngs, "prompt_state": prompt_state}
+            if rank == 0:
+                save_checkpoint(output_dir / "checkpoints" / f"iter_{iteration:06d}",
+                                {"policy": policy}, tokenizer, state, args.keep_checkpoints)
+
+    if rank == 0:
+        policy.save_pretrained(output_dir / "model")
+        tokenizer.save_pretrained(output_dir / "model")
+        final = json.loads(metrics_path.read_text().splitlines()[-1])
+        print(f"final task/accuracy {final.get('task/accuracy')} eval/scores {final.get('eval/scores')} after "
+              f"{final['episode']} episodes in {final['elapsed_s']:.0f}s; model in {output_dir / 'model'}")
+    if run is not None:
+        run.finish()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
