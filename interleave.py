@@ -1,0 +1,459 @@
+"""Interleave training strategies inside one loop: SFT, PPO, RLOO and a process reward model, one shared policy.
+
+A declarative schedule picks the phase that the next step serves: round-robin with per-phase step counts, a seeded
+weighted choice, or transitions on a condition (run a phase until a logged metric crosses a threshold or its step
+budget runs out). The RL phases can hand the prompts they failed to the next SFT turn, with their demonstrations,
+in the spirit of ReLIFT (Ma et al. 2025, arXiv 2506.07527); SFT next to RL is InstructGPT's PPO-ptx idea (Ouyang et
+al. 2022) done as whole steps. docs/interleave.md explains the schedule, the phases and every metric.
+
+    python interleave.py                                # recipe 'interleaved': SFT and RLOO turn about, built-in task
+    python interleave.py sft-then-rl                    # SFT until its loss is low, then RLOO
+    python interleave.py rl-with-sft-on-failures --rloo.reward-fn my_rewards.py:score --rloo.prompt-fn ...
+
+The phases call the step functions of the other scripts (`ppo_step`, `rloo_step`, `prm_step`); this file adds
+`sft_step`, the schedule and the loop.
+"""
+
+import copy
+import json
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Literal
+
+import torch
+import tyro
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+import ppo
+import stepwise_prm
+from ppo import PPOHParams, TaskArgs, fail, ppo_step
+from rloo import RLOOHParams, rloo_step
+from stepwise_prm import prm_step
+
+PHASES = ("sft", "ppo", "rloo", "prm")
+# what each phase logs (under its own name: sft/loss, ppo/objective/scores, ...); tests check these against the steps
+LOGGED = {
+    "sft": ["loss", "token_accuracy"],
+    "ppo": ["objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
+            "objective/scores", "policy/approxkl_avg", "policy/clipfrac_avg", "policy/entropy_avg", "loss/policy_avg",
+            "loss/value_avg", "val/clipfrac_avg", "val/ratio", "val/ratio_var", "val/num_eos_tokens",
+            "val/response_length"],
+    "rloo": ["objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
+             "objective/scores", "policy/approxkl_avg", "policy/clipfrac_avg", "policy/entropy_avg",
+             "loss/policy_avg", "loss/kl_avg", "val/ratio", "val/ratio_var", "val/num_eos_tokens",
+             "val/response_length", "rloo/baseline_avg", "rloo/advantage_std", "rloo/frac_equal_groups"],
+    "prm": ["train/loss", "train/step_accuracy"],
+}
+EVAL_METRICS = ["task/accuracy", "eval/scores"]
+
+
+@dataclass
+class Turn:
+    """How the schedule treats a phase."""
+
+    steps: int = 1
+    """steps per turn (round-robin schedule)"""
+    weight: float = 1.0
+    """relative chance of being picked (weighted schedule)"""
+    until: str | None = None
+    """transitions schedule: move on once this holds, e.g. 'sft/loss<0.05' or 'task/accuracy>0.9'"""
+    max_steps: int = 0
+    """transitions schedule: move on after this many steps (0: no budget)"""
+    learning_rate: float = 1e-3
+    """learning rate of this phase's steps"""
+    batch_size: int = 64
+    """rows (SFT, PRM) or responses (PPO, RLOO) per step"""
+
+
+@dataclass
+class SFTPhase:
+    """Supervised fine-tuning: next-token loss on the completion of each demonstration."""
+
+    turn: Annotated[Turn, tyro.conf.arg(name="")] = field(default_factory=Turn)
+    dataset: str | None = None
+    """demonstrations: a hub id or local json/jsonl/parquet/csv file (default: the built-in task's answers)"""
+    dataset_split: str = "train"
+    """split of --sft.dataset"""
+    prompt_column: str = "prompt"
+    """column with the prompt"""
+    completion_column: str = "answer"
+    """column with the demonstration (in --sft.dataset, and in RL rows when --sft.on-failures is on)"""
+    on_failures: bool = False
+    """train first on the prompts the RL phases failed (score below their --success-threshold), with their
+    demonstrations; the rest of each batch comes from the demonstrations"""
+    max_grad_norm: float = 1.0
+    """gradient-norm clip"""
+
+
+@dataclass
+class PPOPhase:
+    """PPO steps (ppo.py's ppo_step) on this phase's prompts and rewards; adds a value model."""
+
+    turn: Annotated[Turn, tyro.conf.arg(name="")] = field(default_factory=Turn)
+    task: Annotated[TaskArgs, tyro.conf.arg(name="")] = field(default_factory=TaskArgs)
+    hp: Annotated[PPOHParams, tyro.conf.arg(name="")] = field(default_factory=PPOHParams)
+
+
+@dataclass
+class RLOOPhase:
+    """RLOO steps (rloo.py's rloo_step) on this phase's prompts and rewards."""
+
+    turn: Annotated[Turn, tyro.conf.arg(name="")] = field(default_factory=Turn)
+    task: Annotated[TaskArgs, tyro.conf.arg(name="")] = field(default_factory=TaskArgs)
+    hp: Annotated[RLOOHParams, tyro.conf.arg(name="")] = field(default_factory=RLOOHParams)
+
+
+@dataclass
+class PRMPhase:
+    """Trains a process reward model (stepwise_prm.py's prm_step) beside the policy, on its own optimizer."""
+
+    turn: Annotated[Turn, tyro.conf.arg(name="")] = field(default_factory=lambda: Turn(learning_rate=3e-3))
+    dataset: str | None = None
+    """stepwise rows (prompt, completions, labels); default: the built-in multi-step arithmetic data"""
+    dataset_split: str = "train"
+    """split of --prm.dataset"""
+    step_separator: str = "\n"
+    """appended to every step; the label sits on its last token"""
+
+
+@dataclass
+class Args:
+    """Alternate SFT, PPO, RLOO and PRM steps on one shared policy, as a schedule says."""
+
+    exp_name: str = "interleave"
+    """name of this experiment (part of the run name)"""
+    seed: int = 1
+    """seed of python, torch, the prompt order and the weighted schedule"""
+    output_dir: str | None = None
+    """run folder (config.json, metrics.jsonl, checkpoints/, model/); default runs/<run_name>"""
+    track: bool = False
+    """log to Weights & Biases (works offline with WANDB_MODE=offline)"""
+    wandb_project: str = "rlft"
+    """wandb project"""
+    wandb_entity: str | None = None
+    """wandb entity (team or user)"""
+    model: str = "builtin"
+    """the shared policy: a Hugging Face id or a local folder; 'builtin' is a tiny Llama-shaped model"""
+    trust_remote_code: bool = False
+    """allow model code from the hub (off unless asked)"""
+    phases: tuple[str, ...] = ("sft", "rloo")
+    """the phases, in order: any of sft, ppo, rloo, prm"""
+    schedule: Literal["round-robin", "weighted", "transitions"] = "round-robin"
+    """round-robin: each phase for its --X.steps in turn; weighted: a seeded random phase per step by --X.weight;
+    transitions: each phase until its --X.until holds or its --X.max-steps run out, then the next"""
+    total_steps: int = 2000
+    """steps in all, over all phases"""
+    anneal_lr: bool = True
+    """decay every phase's learning rate linearly to 0 over --total-steps"""
+    shared_optimizer: bool = True
+    """one AdamW for the policy across phases (each step uses its phase's learning rate); else one per phase"""
+    eval_every: int = 25
+    """evaluate with greedy decoding every this many steps (and at the start and the end)"""
+    save_every: int = 0
+    """write a checkpoint every this many steps (0: only the final model)"""
+    keep_checkpoints: int = 2
+    """keep the newest this many checkpoints (0: all)"""
+    resume: str | None = None
+    """continue from a checkpoint folder, or 'latest' in --output-dir"""
+    gen: Annotated[ppo.GenArgs, tyro.conf.arg(name="")] = field(default_factory=ppo.GenArgs)
+    sft: SFTPhase = field(default_factory=SFTPhase)
+    ppo: PPOPhase = field(default_factory=PPOPhase)
+    rloo: RLOOPhase = field(default_factory=RLOOPhase)
+    prm: PRMPhase = field(default_factory=PRMPhase)
+
+
+RECIPES = {
+    "interleaved": ("SFT and RLOO take turns, one step each (the default)", Args()),
+    "sft-then-rl": ("SFT until its loss falls below 0.05 (at most 300 steps), then RLOO",
+                    Args(schedule="transitions", sft=SFTPhase(turn=Turn(until="sft/loss<0.05", max_steps=300)))),
+    "rl-with-sft-on-failures": ("RLOO, and every third step SFT on the prompts RLOO failed (ReLIFT-style)",
+                                Args(phases=("rloo", "sft"), rloo=RLOOPhase(turn=Turn(steps=2)),
+                                     sft=SFTPhase(on_failures=True))),
+    "weighted": ("a seeded random phase each step: SFT 1 : RLOO 2", Args(schedule="weighted",
+                                                                         rloo=RLOOPhase(turn=Turn(weight=2.0)))),
+    "with-prm": ("SFT, RLOO and a process reward model trained beside the policy, in turn",
+                 Args(phases=("sft", "rloo", "prm"))),
+}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The schedule: pure functions of (config, step, state, recent metrics)
+
+
+def parse_condition(text: str) -> tuple[str, str, float]:
+    """'sft/loss<0.05' -> ('sft/loss', '<', 0.05)."""
+    op = "<" if "<" in text else ">"
+    name, _, value = text.partition(op)
+    return name.strip(), op, float(value)
+
+
+def schedule(args: Args, step: int, state: dict, recent: dict[str, float]) -> tuple[str, dict]:
+    """The phase that serves `step` (1, 2, ...), and the schedule's new state ({'index', 'steps'}: the current phase
+    of the transitions schedule and the steps spent in it). Round-robin and weighted depend on (config, step) alone."""
+    turns = {p: getattr(args, p).turn for p in args.phases}
+    if args.schedule == "round-robin":
+        cycle = [p for p in args.phases for _ in range(turns[p].steps)]
+        return cycle[(step - 1) % len(cycle)], state
+    if args.schedule == "weighted":
+        rng = random.Random(args.seed * 1_000_003 + step)
+        return rng.choices(args.phases, [turns[p].weight for p in args.phases])[0], state
+    index, steps = state["index"], state["steps"]
+    turn = turns[args.phases[index]]
+    met = False
+    if turn.until:
+        name, op, value = parse_condition(turn.until)
+        met = name in recent and (recent[name] < value if op == "<" else recent[name] > value)
+    if index + 1 < len(args.phases) and (met or 0 < turn.max_steps <= steps):
+        index, steps = index + 1, 0
+    return args.phases[index], {"index": index, "steps": steps + 1}
+
+
+def check_args(args: Args) -> None:
+    """Validate the schedule before any model is loaded; one line per problem."""
+    unknown = [p for p in args.phases if p not in PHASES]
+    if unknown or not args.phases or len(set(args.phases)) != len(args.phases):
+        fail("--phases", list(args.phases), f"name each phase once, from {list(PHASES)}")
+    for p in args.phases:
+        turn = getattr(args, p).turn
+        if turn.steps < 1 or turn.batch_size < 1 or turn.max_steps < 0:
+            fail(f"--{p}.steps", turn.steps, "steps per turn, batch size and step budget must be positive")
+        if turn.weight <= 0 and args.schedule == "weighted":
+            fail(f"--{p}.weight", turn.weight, "weights must be positive, or the phase never runs")
+        if turn.until:
+            try:
+                name, _, _ = parse_condition(turn.until)
+            except ValueError:
+                fail(f"--{p}.until", turn.until, "write it as metric<value or metric>value, e.g. sft/loss<0.05")
+            known = [f"{p}/{m}" for m in LOGGED[p]] + EVAL_METRICS
+            if name not in known:
+                fail(f"--{p}.until", turn.until, f"phase {p} does not log {name}; it logs {known}")
+    if args.schedule == "transitions":
+        for p in args.phases[:-1]:
+            if not (getattr(args, p).turn.until or getattr(args, p).turn.max_steps):
+                later = args.phases[args.phases.index(p) + 1:]
+                fail(f"--{p}.until", None, f"phase {p} never ends, so {list(later)} can never run; give --{p}.until "
+                                            f"or --{p}.max-steps")
+    if args.sft.on_failures and not {"ppo", "rloo"} & set(args.phases):
+        fail("--sft.on-failures", True, "needs an RL phase (ppo or rloo) whose failures it trains on")
+    for p in ("ppo", "rloo"):
+        if p in args.phases:
+            ppo.check_task(getattr(args, p).task)
+    if "rloo" in args.phases and args.rloo.turn.batch_size % args.rloo.hp.rloo_k:
+        fail("--rloo.batch-size", args.rloo.turn.batch_size, f"must be divisible by --rloo.rloo-k "
+                                                              f"({args.rloo.hp.rloo_k})")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Supervised fine-tuning
+
+
+def sft_batch(tokenizer, prompts: list, completions: list[str]) -> dict[str, torch.Tensor]:
+    """Right-padded prompt + completion + EOS; labels are -100 on the prompt and on padding. All [B, L]."""
+    seqs, labels = [], []
+    for p, c in zip(prompts, completions):
+        prompt_ids = ppo.render_prompt(tokenizer, p)
+        completion_ids = tokenizer(c, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+        seqs.append(prompt_ids + completion_ids)
+        labels.append([-100] * len(prompt_ids) + completion_ids)
+    width = max(map(len, seqs))
+    input_ids = torch.tensor([s + [tokenizer.pad_token_id] * (width - len(s)) for s in seqs])
+    return {"input_ids": input_ids, "labels": torch.tensor([x + [-100] * (width - len(x)) for x in labels]),
+            "attention_mask": torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])}
+
+
+def sft_step(policy, optimizer, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor, *,
+             max_grad_norm: float = 1.0) -> dict[str, float]:
+    """One supervised step: next-token cross-entropy on the labelled tokens, summed and divided by their count over
+    all processes. input_ids, attention_mask, labels [B, L] (labels -100 where there is nothing to learn)."""
+    device = next(policy.parameters()).device
+    input_ids, attention_mask, labels = input_ids.to(device), attention_mask.to(device), labels.to(device)
+    logits = policy(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()  # [B, L-1, V]
+    targets = labels[:, 1:]
+    mask = targets != -100
+    n = ppo.global_sum(mask.sum().float()).clamp(min=1) / ppo.world_size()
+    losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets.clamp(min=0), reduction="none")
+    (losses * mask).sum().div(n).backward()
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    ppo.sync_gradients(params)
+    torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    correct = (logits.argmax(-1) == targets) & mask
+    return {"loss": ppo.masked_mean(losses.detach(), mask).item(),
+            "token_accuracy": (correct.sum() / mask.sum().clamp(min=1)).item()}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The loop
+
+
+def main(args: Args) -> None:
+    # ---- validate the configuration before anything is loaded
+    check_args(args)
+    rank, world, device = ppo.setup_distributed()
+    rl = [p for p in args.phases if p in ("ppo", "rloo")]
+    builtin = not rl or all(ppo.check_task(getattr(args, p).task) for p in rl)
+    args.gen.max_new_tokens = args.gen.max_new_tokens or (4 if builtin else 64)
+    for p in args.phases:
+        if getattr(args, p).turn.batch_size % world:
+            fail(f"--{p}.batch-size", getattr(args, p).turn.batch_size, f"must be divisible by {world} process(es)")
+    if args.resume and args.resume != "latest" and args.output_dir is None:
+        args.output_dir = str(Path(args.resume).parent.parent)
+    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    output_dir = Path(args.output_dir or f"runs/{run_name}")
+    ckpt = ppo.find_checkpoint(args.resume, output_dir) if args.resume else None
+
+    # ---- models: the shared policy, its frozen reference, a value model for PPO, a PRM beside them
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    tokenizer, policy = ppo.load_policy(args.model, args.trust_remote_code)
+    models = {"policy": policy}
+    ref_policy = ppo.disable_dropout(copy.deepcopy(policy)).eval().requires_grad_(False)
+    if "ppo" in args.phases:
+        config = copy.deepcopy(policy.config)
+        config.num_labels = 1
+        models["value"] = AutoModelForTokenClassification.from_config(config)
+        models["value"].load_state_dict(policy.state_dict(), strict=False)
+    if "prm" in args.phases:  # the policy's initial weights with a fresh two-label head, and the same tokenizer
+        config = copy.deepcopy(policy.config)
+        config.num_labels = 2
+        models["prm"] = AutoModelForTokenClassification.from_config(config)
+        models["prm"].load_state_dict(policy.state_dict(), strict=False)
+    context = ppo.model_context(policy)
+    tasks = {p: ppo.load_task(getattr(args, p).task, tokenizer, context, args.gen.max_new_tokens) for p in rl}
+    eval_task = tasks[rl[0]] if rl else ppo.load_task(TaskArgs(), tokenizer, context, args.gen.max_new_tokens)
+    if args.sft.dataset:
+        demos = ppo.load_prompt_dataset(args.sft.dataset, args.sft.dataset_split, args.sft.prompt_column)
+        if args.sft.completion_column not in demos.column_names:
+            fail("--sft.completion-column", args.sft.completion_column, f"the dataset has {demos.column_names}")
+    sft_source = {"source": demos if args.sft.dataset else ppo.addition_prompt, "args": TaskArgs()}
+    for p in rl if args.sft.on_failures else []:
+        if args.sft.completion_column not in tasks[p]["eval_rows"][0]:
+            fail("--sft.completion-column", args.sft.completion_column, f"the {p} phase's prompt rows have no such "
+                 f"column ({sorted(tasks[p]['eval_rows'][0])}), so its failures have no demonstrations")
+    if "prm" in args.phases:
+        prm_rows = stepwise_prm.load_stepwise(args.prm.dataset, args.prm.dataset_split) if args.prm.dataset \
+            else stepwise_prm.builtin_rows(random.Random(args.seed), 4096, held_out=False)
+        prm_examples = [stepwise_prm.tokenize_example(tokenizer, r["prompt"], r["completions"], r["labels"],
+                                                      args.prm.step_separator) for r in prm_rows]
+    if ckpt is not None:
+        for name, model in models.items():
+            cls = AutoModelForCausalLM if name == "policy" else AutoModelForTokenClassification
+            model.load_state_dict(cls.from_pretrained(ckpt / name).state_dict())
+    for model in [*models.values(), ref_policy]:
+        ppo.disable_dropout(model.to(device))
+
+    # ---- optimizers: the policy's (shared, or one per phase) and the PRM's own
+    def adamw(*mods):
+        return torch.optim.AdamW([p for m in mods for p in m.parameters()], lr=1e-3, eps=1e-5)
+
+    shared = adamw(policy, *([models["value"]] if "value" in models else []))
+    optimizers = {p: shared if args.shared_optimizer else adamw(policy, *([models["value"]] if p == "ppo" else []))
+                  for p in args.phases if p != "prm"}
+    if "prm" in args.phases:
+        optimizers["prm"] = adamw(models["prm"])
+
+    # ---- per-process seeding, or the saved state of a resumed run
+    random.seed(args.seed + rank)
+    torch.manual_seed(args.seed + rank)
+    start, elapsed, sched, failures = 0, 0.0, {"index": 0, "steps": 0}, []
+    data = {p: {"epoch": 0, "pos": 0, "rng": random.Random(args.seed + i)} for i, p in enumerate(PHASES)}
+    recent: dict[str, float] = {}
+    if ckpt is not None:
+        state = torch.load(ckpt / "state.pt", weights_only=False)
+        for p, opt in optimizers.items():
+            opt.load_state_dict(state["optimizers"][p])
+        ppo.set_rng_states(state["rng"][rank % len(state["rng"])])
+        start, elapsed, sched, failures = state["step"] + 1, state["elapsed"], state["schedule"], state["failures"]
+        data, recent, run_name = state["data"], state["recent"], state["run_name"]
+    metrics_path, run = ppo.open_run(args, output_dir, start, run_name) if rank == 0 else (None, None)
+    samplers = {p: ppo.generation_configs(args.gen, tokenizer, getattr(args, p).hp.temperature)[0] for p in rl}
+    greedy = ppo.generation_configs(args.gen, tokenizer, 1.0)[1]
+
+    def evaluate() -> tuple[dict, list]:
+        return ppo.evaluate(policy, tokenizer, eval_task, greedy, args.gen.stop_strings, rank, world)
+
+    if start == 0:
+        metrics, samples = evaluate()
+        recent.update(metrics)
+        ppo.log_row(metrics_path, run, {"iteration": 0, "phase": "eval", "elapsed_s": 0.0, **metrics}, samples)
+        start = 1
+    progress = tqdm(range(start, args.total_steps + 1), initial=start - 1, total=args.total_steps,
+                    desc="interleave", disable=rank != 0)
+    t0 = time.time() - elapsed
+    for step in progress:
+        phase, sched = schedule(args, step, sched, recent)
+        cfg = getattr(args, phase)
+        local = cfg.turn.batch_size // world
+        for group in optimizers[phase].param_groups:
+            group["lr"] = cfg.turn.learning_rate * ((1 - (step - 1) / args.total_steps) if args.anneal_lr else 1)
+        # 1. SFT: demonstrations, the RL phases' failures first when --sft.on-failures
+        if phase == "sft":
+            rows = ppo.draw_rows(sft_source, data["sft"], cfg.turn.batch_size, args.seed)
+            rows = rows[rank * local:(rank + 1) * local]
+            if cfg.on_failures:  # this process's own failures replace the first demonstrations
+                rows, failures = failures[:local] + rows[len(failures[:local]):], failures[local:]
+            batch = sft_batch(tokenizer, [r["prompt"] for r in rows], [str(r[cfg.completion_column]) for r in rows])
+            metrics = sft_step(policy, optimizers["sft"], **batch, max_grad_norm=cfg.max_grad_norm)
+        # 2. RL: a rollout on the phase's own prompts and rewards, then ppo_step or rloo_step
+        elif phase in ("ppo", "rloo"):
+            k = cfg.hp.rloo_k if phase == "rloo" else 1
+            prompts = ppo.draw_rows(tasks[phase], data[phase], cfg.turn.batch_size // k, args.seed)
+            rows = [r for r in prompts[rank * local // k:(rank + 1) * local // k] for _ in range(k)]
+            out = ppo.rollout(policy, tokenizer, rows, samplers[phase], args.gen.stop_strings, tasks[phase])
+            if args.sft.on_failures:
+                failed = {i // k: rows[i] for i in range(len(rows))
+                          if out["scores"][i] < tasks[phase]["args"].success_threshold}
+                failures = (failures + list(failed.values()))[-1024:]
+            common = dict(hp=cfg.hp, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+            batch = (out["queries"], out["responses"], out["scores"], out["masks"])
+            metrics = ppo_step(policy, models["value"], ref_policy, optimizers["ppo"], *batch, **common) \
+                if phase == "ppo" else rloo_step(policy, ref_policy, optimizers["rloo"], *batch, **common)
+        # 3. PRM: a length-grouped batch of stepwise rows for the process reward model
+        else:
+            order = torch.randperm(len(prm_examples), generator=torch.Generator().manual_seed(args.seed + step))
+            batch = [prm_examples[i] for i in order[:cfg.turn.batch_size].tolist()][rank * local:(rank + 1) * local]
+            metrics = prm_step(models["prm"], optimizers["prm"], sorted(batch, key=lambda e: len(e["input_ids"])),
+                               pad_token_id=tokenizer.pad_token_id)
+        row = {"iteration": step, "phase": phase, "elapsed_s": round(time.time() - t0, 3),
+               **{f"{phase}/{k_}": v for k_, v in ppo.average_metrics(metrics, device).items()}}
+        samples = None
+        if step % args.eval_every == 0 or step == args.total_steps:
+            eval_metrics, samples = evaluate()
+            row.update(eval_metrics)
+        recent.update({k_: v for k_, v in row.items() if isinstance(v, float)})
+        ppo.log_row(metrics_path, run, row, samples)
+        progress.set_postfix(phase=phase, acc=row.get("task/accuracy", ""))
+        if args.save_every and step % args.save_every == 0:
+            rngs = [ppo.rng_states()] * world
+            if world > 1:
+                torch.distributed.all_gather_object(rngs, ppo.rng_states())
+            state = {"step": step, "elapsed": time.time() - t0, "schedule": sched, "failures": failures,
+                     "data": data, "recent": recent, "run_name": run_name, "rng": rngs,
+                     "optimizers": {p: opt.state_dict() for p, opt in optimizers.items()}}
+            if rank == 0:
+                ppo.save_checkpoint(output_dir / "checkpoints" / f"iter_{step:06d}", models, tokenizer, state,
+                                    args.keep_checkpoints)
+
+    if rank == 0:
+        for name, model in models.items():
+            model.save_pretrained(output_dir / ("model" if name == "policy" else name))
+            tokenizer.save_pretrained(output_dir / ("model" if name == "policy" else name))
+        final = json.loads(metrics_path.read_text().splitlines()[-1])
+        print(f"final task/accuracy {final.get('task/accuracy')} after {args.total_steps} steps in "
+              f"{final['elapsed_s']:.0f}s; model in {output_dir / 'model'}")
+    if run is not None:
+        run.finish()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    argv = sys.argv[1:]
+    if not argv or argv[0] not in RECIPES and argv[0] not in ("-h", "--help"):
+        argv = ["interleaved", *argv]  # no recipe named: the default one
+    main(tyro.extras.overridable_config_cli(RECIPES, args=argv))

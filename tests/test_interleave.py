@@ -1,0 +1,147 @@
+"""interleave.py: the schedule against hand-written expectations, config validation, sft_step, every recipe run as
+a subprocess, and resume in the middle of a schedule."""
+
+import json
+import math
+import shutil
+from collections import Counter
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import interleave
+import ppo
+import rloo
+from conftest import assert_one_line_error, run_script
+from interleave import Args, SFTPhase, Turn
+
+
+def phases_of(args, steps, recent_by_step=None):
+    state, out = {"index": 0, "steps": 0}, []
+    for step in range(1, steps + 1):
+        phase, state = interleave.schedule(args, step, state, (recent_by_step or {}).get(step, {}))
+        out.append(phase)
+    return out
+
+
+def test_round_robin_with_per_phase_step_counts():
+    args = Args(phases=("sft", "rloo", "prm"), sft=SFTPhase(turn=Turn(steps=2)))
+    assert phases_of(args, 8) == ["sft", "sft", "rloo", "prm", "sft", "sft", "rloo", "prm"]
+
+
+def test_weighted_is_seeded_and_follows_the_weights():
+    args = Args(schedule="weighted", sft=SFTPhase(turn=Turn(weight=1.0)),
+                rloo=interleave.RLOOPhase(turn=Turn(weight=3.0)))
+    first = phases_of(args, 4000)
+    assert first == phases_of(args, 4000)  # a pure function of (config, step)
+    assert phases_of(Args(schedule="weighted", seed=2), 50) != phases_of(Args(schedule="weighted", seed=1), 50)
+    assert abs(Counter(first)["sft"] / 4000 - 0.25) < 0.03
+
+
+def test_transitions_on_a_metric_and_on_a_budget():
+    args = Args(phases=("sft", "rloo", "prm"), schedule="transitions",
+                sft=SFTPhase(turn=Turn(until="sft/loss<0.1", max_steps=100)),
+                rloo=interleave.RLOOPhase(turn=Turn(max_steps=2)))
+    # SFT until its loss is below 0.1 (seen after step 3), then RLOO for its budget of 2 steps, then PRM to the end
+    recent = {2: {"sft/loss": 0.5}, 3: {"sft/loss": 0.5}, 4: {"sft/loss": 0.05}}
+    assert phases_of(args, 8, recent) == ["sft", "sft", "sft", "rloo", "rloo", "prm", "prm", "prm"]
+    # without the metric, the budget ends the phase
+    args.sft.turn.max_steps = 3
+    assert phases_of(args, 6) == ["sft", "sft", "sft", "rloo", "rloo", "prm"]
+
+
+def test_every_phase_logs_what_the_schedule_may_wait_for(tiny_model_dir):
+    torch.manual_seed(0)
+    tokenizer = ppo.build_tokenizer()
+    policy, ref = ppo.build_tiny_model(tokenizer), ppo.build_tiny_model(tokenizer)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+    batch = interleave.sft_batch(tokenizer, ["3+4=", "12+3="], ["7", "15"])
+    seven = tokenizer("7", add_special_tokens=False).input_ids
+    assert batch["labels"].tolist()[0] == [-100] * 5 + seven + [tokenizer.eos_token_id, -100, -100]
+    assert sorted(interleave.sft_step(policy, optimizer, **batch)) == sorted(interleave.LOGGED["sft"])
+    queries = ppo.left_pad([tokenizer("3+4=").input_ids] * 4, tokenizer.pad_token_id)
+    responses = torch.tensor([[7, 2, 0]] * 4)
+    out = rloo.rloo_step(policy, ref, optimizer, queries, responses, torch.arange(4.0),
+                         hp=rloo.RLOOHParams(), pad_token_id=0, eos_token_id=2)
+    assert sorted(out) == sorted(interleave.LOGGED["rloo"])
+    config = policy.config
+    config.num_labels = 1
+    value = ppo.AutoModelForTokenClassification.from_config(config)
+    out = ppo.ppo_step(policy, value, ref, torch.optim.AdamW([*policy.parameters(), *value.parameters()]), queries,
+                       responses, torch.arange(4.0), hp=ppo.PPOHParams(), pad_token_id=0, eos_token_id=2)
+    assert sorted(out) == sorted(interleave.LOGGED["ppo"])
+
+
+def test_sft_step_learns_and_ignores_the_prompt():
+    torch.manual_seed(0)
+    tokenizer = ppo.build_tokenizer()
+    policy = ppo.build_tiny_model(tokenizer)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2)
+    batch = interleave.sft_batch(tokenizer, ["3+4=", "1+1="], ["7", "2"])
+    grads = []
+    handle = policy.lm_head.register_forward_hook(lambda m, i, o: o.register_hook(grads.append) and None)
+    first = interleave.sft_step(policy, optimizer, **batch)["loss"]
+    handle.remove()
+    # logits at positions 0..3 predict prompt tokens: no gradient; position 4 predicts the answer, 5 the EOS
+    assert (grads[0][:, :4].abs().sum(-1) == 0).all() and (grads[0][:, 4:6].abs().sum(-1) > 0).all()
+    for _ in range(30):
+        last = interleave.sft_step(policy, optimizer, **batch)["loss"]
+    assert math.isfinite(first) and last < first / 4
+
+
+TINY = ["--total-steps", "6", "--eval-every", "3", "--sft.batch-size", "8", "--rloo.batch-size", "8",
+        "--ppo.batch-size", "8", "--prm.batch-size", "8"]
+
+
+@pytest.mark.parametrize("recipe", list(interleave.RECIPES))
+def test_each_recipe_runs(recipe, tmp_path):
+    result = run_script("interleave.py", recipe, *TINY, "--output-dir", tmp_path / "run")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == list(range(7))
+    args = interleave.RECIPES[recipe][1]
+    assert {r["phase"] for r in rows[1:]} <= set(args.phases)
+    assert all(k in ("iteration", "phase", "elapsed_s") or k.split("/")[0] in (r["phase"], "task", "eval")
+               for r in rows for k in r)  # metrics are namespaced by the phase that logged them
+    assert (tmp_path / "run" / "model" / "config.json").exists()
+
+
+def test_ppo_phase_and_no_recipe_name(tmp_path):
+    result = run_script("interleave.py", "--phases", "sft", "ppo", *TINY, "--output-dir", tmp_path / "run")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert "ppo/objective/scores" in rows[2] and "sft/loss" in rows[1]
+
+
+def test_resume_in_the_middle_of_a_schedule(tmp_path):
+    args = ["rl-with-sft-on-failures", *TINY, "--total-steps", "8", "--save-every", "4", "--keep-checkpoints", "0"]
+    full = tmp_path / "full"
+    assert run_script("interleave.py", *args, "--output-dir", full).returncode == 0
+    resumed = tmp_path / "resumed"
+    shutil.copytree(full / "checkpoints" / "iter_000004", resumed / "checkpoints" / "iter_000004")
+    lines = (full / "metrics.jsonl").read_text().splitlines()
+    (resumed / "metrics.jsonl").write_text("".join(line + "\n" for line in lines[:5]))
+    result = run_script("interleave.py", *args, "--output-dir", resumed, "--resume", "latest")
+    assert result.returncode == 0, result.stderr[-3000:]
+    strip = lambda path: [{k: v for k, v in json.loads(line).items() if k != "elapsed_s"}  # noqa: E731
+                          for line in path.read_text().splitlines()]
+    assert strip(resumed / "metrics.jsonl") == strip(full / "metrics.jsonl")
+    a, b = load_file(full / "model" / "model.safetensors"), load_file(resumed / "model" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("args, flag, words", [
+    (["--phases", "sft", "dpo"], "--phases", ["from ['sft', 'ppo', 'rloo', 'prm']"]),
+    (["--phases", "sft", "sft"], "--phases", ["once"]),
+    (["--sft.steps", "0"], "--sft.steps", ["positive"]),
+    (["--schedule", "weighted", "--rloo.weight", "0"], "--rloo.weight", ["never runs"]),
+    (["--sft.until", "rloo/loss<0.1"], "--sft.until", ["does not log rloo/loss"]),
+    (["--sft.until", "sft/loss=0.1"], "--sft.until", ["metric<value"]),
+    (["--schedule", "transitions"], "--sft.until", ["['rloo'] can never run"]),
+    (["--phases", "sft", "--sft.on-failures"], "--sft.on-failures", ["needs an RL phase"]),
+    (["--rloo.batch-size", "10"], "--rloo.batch-size", ["divisible by --rloo.rloo-k"]),
+    (["--rloo.reward-fn", "my_rewards:score"], "--dataset", ["give --dataset or --prompt-fn"]),
+])
+def test_bad_config_is_one_line(args, flag, words, tmp_path):
+    assert_one_line_error(run_script("interleave.py", *args, "--output-dir", tmp_path), flag, *words)
