@@ -37,15 +37,16 @@ from stepwise_prm import prm_step
 PHASES = ("sft", "ppo", "rloo", "prm")
 # what each phase logs (under its own name: sft/loss, ppo/objective/scores, ...); tests check these against the steps
 LOGGED = {
-    "sft": ["loss", "token_accuracy"],
+    "sft": ["loss", "token_accuracy", "nonfinite_skipped"],
     "ppo": ["objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
             "objective/scores", "policy/approxkl_avg", "policy/clipfrac_avg", "policy/entropy_avg", "loss/policy_avg",
             "loss/value_avg", "val/clipfrac_avg", "val/ratio", "val/ratio_var", "val/num_eos_tokens",
-            "val/response_length"],
+            "val/response_length", "loss/nonfinite_skipped"],
     "rloo": ["objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
              "objective/scores", "policy/approxkl_avg", "policy/clipfrac_avg", "policy/entropy_avg",
              "loss/policy_avg", "loss/kl_avg", "val/ratio", "val/ratio_var", "val/num_eos_tokens",
-             "val/response_length", "rloo/baseline_avg", "rloo/advantage_std", "rloo/frac_equal_groups"],
+             "val/response_length", "rloo/baseline_avg", "rloo/advantage_std", "rloo/frac_equal_groups",
+             "loss/nonfinite_skipped"],
     "prm": ["train/loss", "train/step_accuracy"],
 }
 EVAL_METRICS = ["task/accuracy", "eval/scores"]
@@ -87,6 +88,8 @@ class SFTPhase:
     demonstrations; the rest of each batch comes from the demonstrations"""
     max_grad_norm: float = 1.0
     """gradient-norm clip"""
+    skip_nonfinite: bool = False
+    """skip (and count) a step whose loss or gradient norm is NaN/inf, instead of stopping the run"""
 
 
 @dataclass
@@ -159,6 +162,8 @@ class Args:
     """keep the newest this many checkpoints (0: all)"""
     resume: str | None = None
     """continue from a checkpoint folder, or 'latest' in --output-dir"""
+    fsdp: bool = False
+    """shard every model over the processes with FSDP2 (under torchrun)"""
     gen: Annotated[ppo.GenArgs, tyro.conf.arg(name="")] = field(default_factory=ppo.GenArgs)
     sft: SFTPhase = field(default_factory=SFTPhase)
     ppo: PPOPhase = field(default_factory=PPOPhase)
@@ -266,7 +271,7 @@ def sft_batch(tokenizer, prompts: list, completions: list[str]) -> dict[str, tor
 
 
 def sft_step(policy, optimizer, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor, *,
-             max_grad_norm: float = 1.0) -> dict[str, float]:
+             max_grad_norm: float = 1.0, skip_nonfinite: bool = False) -> dict[str, float]:
     """One supervised step: next-token cross-entropy on the labelled tokens, summed and divided by their count over
     all processes. input_ids, attention_mask, labels [B, L] (labels -100 where there is nothing to learn)."""
     device = next(policy.parameters()).device
@@ -276,15 +281,15 @@ def sft_step(policy, optimizer, input_ids: torch.Tensor, attention_mask: torch.T
     mask = targets != -100
     n = ppo.global_sum(mask.sum().float()).clamp(min=1) / ppo.world_size()
     losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets.clamp(min=0), reduction="none")
-    (losses * mask).sum().div(n).backward()
+    loss = (losses * mask).sum() / n
+    finite = torch.isfinite(loss)
+    if finite:
+        loss.backward()
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    ppo.sync_gradients(params)
-    torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    taken = ppo.step_or_skip(optimizer, params, ppo.global_sum((~finite).float()) > 0, max_grad_norm, skip_nonfinite)
     correct = (logits.argmax(-1) == targets) & mask
     return {"loss": ppo.masked_mean(losses.detach(), mask).item(),
-            "token_accuracy": (correct.sum() / mask.sum().clamp(min=1)).item()}
+            "token_accuracy": (correct.sum() / mask.sum().clamp(min=1)).item(), "nonfinite_skipped": float(not taken)}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -344,8 +349,11 @@ def main(args: Args) -> None:
         for name, model in models.items():
             cls = AutoModelForCausalLM if name == "policy" else AutoModelForTokenClassification
             model.load_state_dict(cls.from_pretrained(ckpt / name).state_dict())
-    for model in [*models.values(), ref_policy]:
+    if args.fsdp and not torch.distributed.is_initialized():
+        fail("--fsdp", True, "FSDP shards over processes: launch with torchrun --nproc_per_node N")
+    for model in [*models.values(), ref_policy, *[t["reward_model"] for t in tasks.values() if t["reward_model"]]]:
         ppo.disable_dropout(model.to(device))
+        ppo.shard(model, ppo.init_device_mesh(device.type, (world,))) if args.fsdp else None
 
     # ---- optimizers: the policy's (shared, or one per phase) and the PRM's own
     def adamw(*mods):
@@ -366,7 +374,7 @@ def main(args: Args) -> None:
     if ckpt is not None:
         state = torch.load(ckpt / "state.pt", weights_only=False)
         for p, opt in optimizers.items():
-            opt.load_state_dict(state["optimizers"][p])
+            ppo.load_optimizer_state(opt, state["optimizers"][p])
         ppo.set_rng_states(state["rng"][rank % len(state["rng"])])
         start, elapsed, sched, failures = state["step"] + 1, state["elapsed"], state["schedule"], state["failures"]
         data, recent, run_name = state["data"], state["recent"], state["run_name"]
@@ -398,7 +406,8 @@ def main(args: Args) -> None:
             if cfg.on_failures:  # this process's own failures replace the first demonstrations
                 rows, failures = failures[:local] + rows[len(failures[:local]):], failures[local:]
             batch = sft_batch(tokenizer, [r["prompt"] for r in rows], [str(r[cfg.completion_column]) for r in rows])
-            metrics = sft_step(policy, optimizers["sft"], **batch, max_grad_norm=cfg.max_grad_norm)
+            metrics = sft_step(policy, optimizers["sft"], **batch, max_grad_norm=cfg.max_grad_norm,
+                               skip_nonfinite=cfg.skip_nonfinite)
         # 2. RL: a rollout on the phase's own prompts and rewards, then ppo_step or rloo_step
         elif phase in ("ppo", "rloo"):
             k = cfg.hp.rloo_k if phase == "rloo" else 1
@@ -411,8 +420,12 @@ def main(args: Args) -> None:
                 failures = (failures + list(failed.values()))[-1024:]
             common = dict(hp=cfg.hp, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
             batch = (out["queries"], out["responses"], out["scores"], out["masks"])
-            metrics = ppo_step(policy, models["value"], ref_policy, optimizers["ppo"], *batch, **common) \
-                if phase == "ppo" else rloo_step(policy, ref_policy, optimizers["rloo"], *batch, **common)
+            try:
+                metrics = ppo_step(policy, models["value"], ref_policy, optimizers["ppo"], *batch, **common) \
+                    if phase == "ppo" else rloo_step(policy, ref_policy, optimizers["rloo"], *batch, **common)
+            except FloatingPointError as e:
+                fail(f"--{phase}.skip-nonfinite", False, f"{e} at step {step}: the run stops here, its last good "
+                     "checkpoint kept; lower the learning rate, check the rewards, or pass the flag")
         # 3. PRM: a length-grouped batch of stepwise rows for the process reward model
         else:
             order = torch.randperm(len(prm_examples), generator=torch.Generator().manual_seed(args.seed + step))
@@ -434,14 +447,16 @@ def main(args: Args) -> None:
                 torch.distributed.all_gather_object(rngs, ppo.rng_states())
             state = {"step": step, "elapsed": time.time() - t0, "schedule": sched, "failures": failures,
                      "data": data, "recent": recent, "run_name": run_name, "rng": rngs,
-                     "optimizers": {p: opt.state_dict() for p, opt in optimizers.items()}}
+                     "optimizers": {p: ppo.optimizer_state(opt) for p, opt in optimizers.items()}}
+            weights = {name: ppo.full_state_dict(model) for name, model in models.items()}
             if rank == 0:
-                ppo.save_checkpoint(output_dir / "checkpoints" / f"iter_{step:06d}", models, tokenizer, state,
-                                    args.keep_checkpoints)
+                ppo.save_checkpoint(output_dir / "checkpoints" / f"iter_{step:06d}", models, weights, tokenizer,
+                                    state, args.keep_checkpoints)
 
+    weights = {name: ppo.full_state_dict(model) for name, model in models.items()}
     if rank == 0:
         for name, model in models.items():
-            model.save_pretrained(output_dir / ("model" if name == "policy" else name))
+            model.save_pretrained(output_dir / ("model" if name == "policy" else name), state_dict=weights[name])
             tokenizer.save_pretrained(output_dir / ("model" if name == "policy" else name))
         final = json.loads(metrics_path.read_text().splitlines()[-1])
         print(f"final task/accuracy {final.get('task/accuracy')} after {args.total_steps} steps in "

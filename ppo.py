@@ -31,6 +31,10 @@ import datasets
 import torch
 import tyro
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import distribute_tensor
 from tqdm import tqdm
 from transformers import (
     AutoModelForCausalLM,
@@ -78,6 +82,8 @@ class PPOHParams:
     """gradient-norm clip for policy and value parameters together"""
     forward_batch_size: int = 64
     """rows per chunk in the no-grad rollout forward passes"""
+    skip_nonfinite: bool = False
+    """skip (and count) a mini-batch whose loss or gradient norm is NaN/inf, instead of stopping the run"""
 
 
 @dataclass
@@ -169,6 +175,8 @@ class Args:
     """continue from a checkpoint folder (.../checkpoints/iter_000100), or 'latest' in --output-dir"""
     compile: bool = False
     """wrap the models' forward passes with torch.compile"""
+    fsdp: bool = False
+    """shard the policy, value, reference and reward models over the processes with FSDP2 (under torchrun)"""
     task: Annotated[TaskArgs, tyro.conf.arg(name="")] = field(default_factory=TaskArgs)
     gen: Annotated[GenArgs, tyro.conf.arg(name="")] = field(default_factory=GenArgs)
     ppo: Annotated[PPOHParams, tyro.conf.arg(name="")] = field(default_factory=PPOHParams)
@@ -543,6 +551,22 @@ def sync_gradients(params: list[torch.nn.Parameter]) -> None:
             g.copy_(chunk.view_as(g))
 
 
+def step_or_skip(optimizer, params: list, nonfinite: bool, max_grad_norm: float, skip_nonfinite: bool) -> bool:
+    """Average the gradients over processes, clip them and take the optimizer step, unless a loss (`nonfinite`) or
+    the gradient norm is NaN/inf: then drop the gradients and skip the step, or raise FloatingPointError so that the
+    run stops with its last good checkpoint in place. Returns whether the step was taken."""
+    if not nonfinite:
+        sync_gradients(params)
+        nonfinite = not torch.isfinite(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
+    if nonfinite and not skip_nonfinite:
+        optimizer.zero_grad(set_to_none=True)
+        raise FloatingPointError("the loss or the gradient norm is NaN/inf")
+    if not nonfinite:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return not nonfinite
+
+
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean of x over mask (0 when the mask is empty)."""
     return (x * mask).sum() / mask.sum().clamp(min=1)
@@ -658,13 +682,14 @@ def ppo_step(policy, value_model, ref_policy, optimizer, queries: torch.Tensor, 
     # all processes, so gradient accumulation and data parallelism give the gradient of the whole mini-batch.
     params = [p for g in optimizer.param_groups for p in g["params"]]
     stats = {k: [] for k in ("pg_loss", "vf_loss", "approxkl", "clipfrac", "vf_clipfrac", "entropy", "ratio")}
-    mini = B // hp.num_mini_batches
+    mini, skipped = B // hp.num_mini_batches, 0
     for _ in range(hp.num_ppo_epochs):
         order = torch.randperm(B, device=device)
         for start in range(0, B, mini):
             mb = order[start:start + mini]
             n_train = global_sum(train[mb].sum().float()).clamp(min=1) / world_size()
             n_valid = global_sum(valid[mb].sum().float()).clamp(min=1) / world_size()
+            bad = torch.zeros((), device=device)
             for m in range(0, mini, micro):
                 i = mb[m:m + micro]
                 new_logprobs, entropy = response_logprobs(policy, input_ids[i], attention_mask[i], responses[i],
@@ -679,6 +704,9 @@ def ppo_step(policy, value_model, ref_policy, optimizer, queries: torch.Tensor, 
                                       -advantages[i] * ratio.clamp(1 - hp.cliprange, 1 + hp.cliprange))
                 pg_loss = (pg_losses * train[i]).sum() / n_train
                 loss = pg_loss + hp.vf_coef * vf_loss - hp.ent_coef * (entropy * train[i]).sum() / n_train
+                if not torch.isfinite(loss):
+                    bad += 1
+                    continue
                 loss.backward()
                 with torch.no_grad():
                     t, v = train[i], valid[i]
@@ -689,14 +717,12 @@ def ppo_step(policy, value_model, ref_policy, optimizer, queries: torch.Tensor, 
                     stats["vf_clipfrac"].append(masked_mean(((new_values - v_clipped).abs() > 0).float(), v))
                     stats["entropy"].append(masked_mean(entropy, t))
                     stats["ratio"].append(masked_mean(ratio, t))
-            sync_gradients(params)
-            torch.nn.utils.clip_grad_norm_(params, hp.max_grad_norm)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            if not step_or_skip(optimizer, params, global_sum(bad) > 0, hp.max_grad_norm, hp.skip_nonfinite):
+                skipped += 1
 
     # 6. Metrics (means over this process's batch; the caller averages them over processes).
-    ratios = torch.stack(stats["ratio"])
-    mean = lambda k: torch.stack(stats[k]).mean().item()  # noqa: E731
+    ratios = torch.stack(stats["ratio"]) if stats["ratio"] else torch.full((1,), float("nan"))
+    mean = lambda k: torch.stack(stats[k]).mean().item() if stats[k] else float("nan")  # noqa: E731
     eos = (responses.gather(1, last[:, None])[:, 0] == eos_token_id) & valid.any(1) if eos_token_id is not None \
         else torch.zeros(B, dtype=torch.bool, device=device)
     return {
@@ -715,6 +741,7 @@ def ppo_step(policy, value_model, ref_policy, optimizer, queries: torch.Tensor, 
         "val/ratio_var": ratios.var().item() if len(ratios) > 1 else 0.0,
         "val/num_eos_tokens": eos.sum().item(),
         "val/response_length": valid.sum(1).float().mean().item(),
+        "loss/nonfinite_skipped": float(skipped),
     }
 
 
@@ -732,6 +759,38 @@ def setup_distributed() -> tuple[int, int, torch.device]:
         torch.cuda.set_device(device)
     torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
     return torch.distributed.get_rank(), torch.distributed.get_world_size(), device
+
+
+def shard(model: torch.nn.Module, mesh) -> torch.nn.Module:
+    """FSDP2: shard each decoder layer (the classes a Hugging Face model lists in _no_split_modules), then the rest."""
+    layers = set(getattr(model, "_no_split_modules", None) or [])
+    for module in model.modules():
+        if type(module).__name__ in layers:
+            fully_shard(module, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def full_state_dict(model: torch.nn.Module) -> dict:
+    """All of a model's weights, whole, on the CPU of rank 0 (a collective under FSDP: every process calls it)."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def optimizer_state(optimizer) -> dict:
+    """The optimizer's state dict with FSDP-sharded tensors gathered whole (a collective under FSDP)."""
+    state = optimizer.state_dict()
+    state["state"] = {i: {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in s.items()}
+                      for i, s in state["state"].items()}
+    return state
+
+
+def load_optimizer_state(optimizer, state: dict) -> None:
+    """Restore what optimizer_state saved, sharding each tensor like its parameter."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for i, s in state["state"].items():
+        if hasattr(params[i], "device_mesh"):
+            state["state"][i] = {k: distribute_tensor(v, params[i].device_mesh, params[i].placements) if v.dim()
+                                 else v for k, v in s.items()}
+    optimizer.load_state_dict(state)
 
 
 def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
@@ -807,13 +866,14 @@ def set_rng_states(states: dict) -> None:
         torch.cuda.set_rng_state(states["cuda"])
 
 
-def save_checkpoint(folder: Path, models: dict, tokenizer, state: dict, keep: int) -> None:
-    """Write a checkpoint (each model in its own folder, the tokenizer beside the first) into a temporary folder,
-    then rename it into place, so a crash never leaves a half one; keep the newest `keep` checkpoints (0: all)."""
+def save_checkpoint(folder: Path, models: dict, weights: dict, tokenizer, state: dict, keep: int) -> None:
+    """Write a checkpoint (each model in its own folder with its full_state_dict `weights`, the tokenizer beside the
+    first) into a temporary folder, then rename it into place, so a crash never leaves a half one; keep the newest
+    `keep` checkpoints (0: all). Rank 0 only."""
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     for name, model in models.items():
-        model.save_pretrained(tmp / name)
+        model.save_pretrained(tmp / name, state_dict=weights[name])
     tokenizer.save_pretrained(tmp / next(iter(models)))
     torch.save(state, tmp / "state.pt")
     shutil.rmtree(folder, ignore_errors=True)
@@ -875,13 +935,18 @@ def main(args: Args) -> None:
             fail("--model", args.model, "the value model cannot take the policy's weights; give --value-model")
     value_model.config.pad_token_id = tokenizer.pad_token_id
     task = load_task(args.task, tokenizer, model_context(policy), gen.max_new_tokens)
+    if args.fsdp and not torch.distributed.is_initialized():
+        fail("--fsdp", True, "FSDP shards over processes: launch with torchrun --nproc_per_node N")
     if len(task["eval_rows"]) < world:
         fail("--num-eval-prompts", args.task.num_eval_prompts, f"give at least one per process ({world})")
     if ckpt is not None:
         policy.load_state_dict(AutoModelForCausalLM.from_pretrained(ckpt / "policy").state_dict())
         value_model.load_state_dict(AutoModelForTokenClassification.from_pretrained(ckpt / "value").state_dict())
+    models = {"policy": policy, "value": value_model}
     for model in (policy, ref_policy, value_model, task["reward_model"]):
-        disable_dropout(model.to(device)) if model is not None else None
+        if model is not None:
+            disable_dropout(model.to(device))
+            shard(model, init_device_mesh(device.type, (world,))) if args.fsdp else None
     lr = args.learning_rate or (1e-3 if args.model == "builtin" else 3e-6)
     optimizer = torch.optim.AdamW([*policy.parameters(), *value_model.parameters()], lr=lr, eps=1e-5)
 
@@ -892,7 +957,7 @@ def main(args: Args) -> None:
     prompt_state = {"epoch": 0, "pos": 0, "rng": random.Random(args.seed)}
     if ckpt is not None:
         state = torch.load(ckpt / "state.pt", weights_only=False)
-        optimizer.load_state_dict(state["optimizer"])
+        load_optimizer_state(optimizer, state["optimizer"])
         set_rng_states(state["rng"][rank % len(state["rng"])])
         prompt_state, run_name = state["prompt_state"], state["run_name"]
         start, episode, elapsed = state["iteration"] + 1, state["episode"], state["elapsed"]
@@ -913,9 +978,13 @@ def main(args: Args) -> None:
             optimizer.param_groups[0]["lr"] = lr * (1 - (iteration - 1) / num_iterations)
         rows = draw_rows(task, prompt_state, args.batch_size, args.seed)[rank * local_batch:(rank + 1) * local_batch]
         out = rollout(policy, tokenizer, rows, sample, gen.stop_strings, task)
-        metrics = ppo_step(policy, value_model, ref_policy, optimizer, out["queries"], out["responses"],
-                           out["scores"], out["masks"], hp=hp, pad_token_id=tokenizer.pad_token_id,
-                           eos_token_id=tokenizer.eos_token_id)
+        try:
+            metrics = ppo_step(policy, value_model, ref_policy, optimizer, out["queries"], out["responses"],
+                               out["scores"], out["masks"], hp=hp, pad_token_id=tokenizer.pad_token_id,
+                               eos_token_id=tokenizer.eos_token_id)
+        except FloatingPointError as e:
+            fail("--skip-nonfinite", False, f"{e} at iteration {iteration}: the run stops here, its last good "
+                 "checkpoint kept; lower --learning-rate, check the rewards, or pass --skip-nonfinite")
         episode += args.batch_size
         row = {"iteration": iteration, "episode": episode, "elapsed_s": round(time.time() - t0, 3),
                "lr": optimizer.param_groups[0]["lr"], **average_metrics(metrics, device)}
@@ -931,13 +1000,15 @@ def main(args: Args) -> None:
             if world > 1:
                 torch.distributed.all_gather_object(rngs, rng_states())
             state = {"iteration": iteration, "episode": episode, "elapsed": time.time() - t0, "run_name": run_name,
-                     "optimizer": optimizer.state_dict(), "rng": rngs, "prompt_state": prompt_state}
+                     "optimizer": optimizer_state(optimizer), "rng": rngs, "prompt_state": prompt_state}
+            weights = {name: full_state_dict(model) for name, model in models.items()}
             if rank == 0:
-                save_checkpoint(output_dir / "checkpoints" / f"iter_{iteration:06d}",
-                                {"policy": policy, "value": value_model}, tokenizer, state, args.keep_checkpoints)
+                save_checkpoint(output_dir / "checkpoints" / f"iter_{iteration:06d}", models, weights, tokenizer, state,
+                                args.keep_checkpoints)
 
+    weights = full_state_dict(policy)
     if rank == 0:
-        policy.save_pretrained(output_dir / "model")
+        policy.save_pretrained(output_dir / "model", state_dict=weights)
         tokenizer.save_pretrained(output_dir / "model")
         final = json.loads(metrics_path.read_text().splitlines()[-1])
         print(f"final task/accuracy {final.get('task/accuracy')} eval/scores {final.get('eval/scores')} after "

@@ -33,6 +33,10 @@ import datasets
 import torch
 import tyro
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import distribute_tensor
 from tqdm import tqdm
 from transformers import (
     AutoModelForCausalLM,
@@ -74,6 +78,8 @@ class RLOOHParams:
     """gradient-norm clip"""
     forward_batch_size: int = 64
     """responses per chunk in the no-grad rollout forward passes"""
+    skip_nonfinite: bool = False
+    """skip (and count) a mini-batch whose loss or gradient norm is NaN/inf, instead of stopping the run"""
 
 
 @dataclass
@@ -163,6 +169,8 @@ class Args:
     """continue from a checkpoint folder (.../checkpoints/iter_000100), or 'latest' in --output-dir"""
     compile: bool = False
     """wrap the models' forward passes with torch.compile"""
+    fsdp: bool = False
+    """shard the policy, reference and reward models over the processes with FSDP2 (under torchrun)"""
     task: Annotated[TaskArgs, tyro.conf.arg(name="")] = field(default_factory=TaskArgs)
     gen: Annotated[GenArgs, tyro.conf.arg(name="")] = field(default_factory=GenArgs)
     rloo: Annotated[RLOOHParams, tyro.conf.arg(name="")] = field(default_factory=RLOOHParams)
@@ -537,6 +545,22 @@ def sync_gradients(params: list[torch.nn.Parameter]) -> None:
             g.copy_(chunk.view_as(g))
 
 
+def step_or_skip(optimizer, params: list, nonfinite: bool, max_grad_norm: float, skip_nonfinite: bool) -> bool:
+    """Average the gradients over processes, clip them and take the optimizer step, unless a loss (`nonfinite`) or
+    the gradient norm is NaN/inf: then drop the gradients and skip the step, or raise FloatingPointError so that the
+    run stops with its last good checkpoint in place. Returns whether the step was taken."""
+    if not nonfinite:
+        sync_gradients(params)
+        nonfinite = not torch.isfinite(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
+    if nonfinite and not skip_nonfinite:
+        optimizer.zero_grad(set_to_none=True)
+        raise FloatingPointError("the loss or the gradient norm is NaN/inf")
+    if not nonfinite:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return not nonfinite
+
+
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean of x over mask (0 when the mask is empty)."""
     return (x * mask).sum() / mask.sum().clamp(min=1)
@@ -644,13 +668,14 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
     # every trained token; losses are token sums over the mini-batch's token count on all processes.
     params = [p for g in optimizer.param_groups for p in g["params"]]
     stats = {k_: [] for k_ in ("pg_loss", "kl_loss", "approxkl", "clipfrac", "entropy", "ratio")}
-    mini = P // hp.num_mini_batches
+    mini, skipped = P // hp.num_mini_batches, 0
     for _ in range(hp.num_ppo_epochs):
         order = torch.randperm(P, device=device)
         for start in range(0, P, mini):
             mb = order[start:start + mini]
             rows = (mb[:, None] * k + torch.arange(k, device=device)).flatten()
             n_train = global_sum(train[rows].sum().float()).clamp(min=1) / world_size()
+            bad = torch.zeros((), device=device)
             for m in range(0, mini, micro):
                 pi = mb[m:m + micro]
                 i = (pi[:, None] * k + torch.arange(k, device=device)).flatten()
@@ -667,6 +692,9 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
                     else torch.zeros_like(new_logprobs)
                 if not hp.kl_in_reward:
                     loss = loss + hp.kl_coef * (kl_losses * train[i]).sum() / n_train
+                if not torch.isfinite(loss):
+                    bad += 1
+                    continue
                 loss.backward()
                 with torch.no_grad():
                     t = train[i]
@@ -676,14 +704,12 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
                     stats["clipfrac"].append(masked_mean(((ratio - 1).abs() > hp.cliprange).float(), t))
                     stats["entropy"].append(masked_mean(entropy, t))
                     stats["ratio"].append(masked_mean(ratio, t))
-            sync_gradients(params)
-            torch.nn.utils.clip_grad_norm_(params, hp.max_grad_norm)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            if not step_or_skip(optimizer, params, global_sum(bad) > 0, hp.max_grad_norm, hp.skip_nonfinite):
+                skipped += 1
 
     # 6. Metrics (means over this process's batch; the caller averages them over processes).
-    ratios = torch.stack(stats["ratio"])
-    mean = lambda key: torch.stack(stats[key]).mean().item()  # noqa: E731
+    ratios = torch.stack(stats["ratio"]) if stats["ratio"] else torch.full((1,), float("nan"))
+    mean = lambda key: torch.stack(stats[key]).mean().item() if stats[key] else float("nan")  # noqa: E731
     last = (valid.sum(1) - 1).clamp(min=0)
     eos = (responses.gather(1, last[:, None])[:, 0] == eos_token_id) & valid.any(1) if eos_token_id is not None \
         else torch.zeros(B, dtype=torch.bool, device=device)
@@ -705,6 +731,7 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
         "rloo/baseline_avg": baselines.mean().item(),
         "rloo/advantage_std": advantage_std.item(),
         "rloo/frac_equal_groups": equal_groups.item(),
+        "loss/nonfinite_skipped": float(skipped),
     }
 
 
@@ -722,6 +749,38 @@ def setup_distributed() -> tuple[int, int, torch.device]:
         torch.cuda.set_device(device)
     torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
     return torch.distributed.get_rank(), torch.distributed.get_world_size(), device
+
+
+def shard(model: torch.nn.Module, mesh) -> torch.nn.Module:
+    """FSDP2: shard each decoder layer (the classes a Hugging Face model lists in _no_split_modules), then the rest."""
+    layers = set(getattr(model, "_no_split_modules", None) or [])
+    for module in model.modules():
+        if type(module).__name__ in layers:
+            fully_shard(module, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def full_state_dict(model: torch.nn.Module) -> dict:
+    """All of a model's weights, whole, on the CPU of rank 0 (a collective under FSDP: every process calls it)."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def optimizer_state(optimizer) -> dict:
+    """The optimizer's state dict with FSDP-sharded tensors gathered whole (a collective under FSDP)."""
+    state = optimizer.state_dict()
+    state["state"] = {i: {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in s.items()}
+                      for i, s in state["state"].items()}
+    return state
+
+
+def load_optimizer_state(optimizer, state: dict) -> None:
+    """Restore what optimizer_state saved, sharding each tensor like its parameter."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for i, s in state["state"].items():
+        if hasattr(params[i], "device_mesh"):
+            state["state"][i] = {k: distribute_tensor(v, params[i].device_mesh, params[i].placements) if v.dim()
+                                 else v for k, v in s.items()}
+    optimizer.load_state_dict(state)
 
 
 def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
@@ -797,13 +856,14 @@ def set_rng_states(states: dict) -> None:
         torch.cuda.set_rng_state(states["cuda"])
 
 
-def save_checkpoint(folder: Path, models: dict, tokenizer, state: dict, keep: int) -> None:
-    """Write a checkpoint (each model in its own folder, the tokenizer beside the first) into a temporary folder,
-    then rename it into place, so a crash never leaves a half one; keep the newest `keep` checkpoints (0: all)."""
+def save_checkpoint(folder: Path, models: dict, weights: dict, tokenizer, state: dict, keep: int) -> None:
+    """Write a checkpoint (each model in its own folder with its full_state_dict `weights`, the tokenizer beside the
+    first) into a temporary folder, then rename it into place, so a crash never leaves a half one; keep the newest
+    `keep` checkpoints (0: all). Rank 0 only."""
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     for name, model in models.items():
-        model.save_pretrained(tmp / name)
+        model.save_pretrained(tmp / name, state_dict=weights[name])
     tokenizer.save_pretrained(tmp / next(iter(models)))
     torch.save(state, tmp / "state.pt")
     shutil.rmtree(folder, ignore_errors=True)
@@ -856,12 +916,16 @@ def main(args: Args) -> None:
     tokenizer, policy = load_policy(args.model, args.trust_remote_code)
     ref_policy = disable_dropout(copy.deepcopy(policy)).eval().requires_grad_(False)
     task = load_task(args.task, tokenizer, model_context(policy), gen.max_new_tokens)
+    if args.fsdp and not torch.distributed.is_initialized():
+        fail("--fsdp", True, "FSDP shards over processes: launch with torchrun --nproc_per_node N")
     if len(task["eval_rows"]) < world:
         fail("--num-eval-prompts", args.task.num_eval_prompts, f"give at least one per process ({world})")
     if ckpt is not None:
         policy.load_state_dict(AutoModelForCausalLM.from_pretrained(ckpt / "policy").state_dict())
     for model in (policy, ref_policy, task["reward_model"]):
-        disable_dropout(model.to(device)) if model is not None else None
+        if model is not None:
+            disable_dropout(model.to(device))
+            shard(model, init_device_mesh(device.type, (world,))) if args.fsdp else None
     lr = args.learning_rate or (1e-3 if args.model == "builtin" else 3e-6)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=lr, eps=1e-5)
 
@@ -872,7 +936,7 @@ def main(args: Args) -> None:
     prompt_state = {"epoch": 0, "pos": 0, "rng": random.Random(args.seed)}
     if ckpt is not None:
         state = torch.load(ckpt / "state.pt", weights_only=False)
-        optimizer.load_state_dict(state["optimizer"])
+        load_optimizer_state(optimizer, state["optimizer"])
         set_rng_states(state["rng"][rank % len(state["rng"])])
         prompt_state, run_name = state["prompt_state"], state["run_name"]
         start, episode, elapsed = state["iteration"] + 1, state["episode"], state["elapsed"]
@@ -894,9 +958,13 @@ def main(args: Args) -> None:
         prompts = draw_rows(task, prompt_state, args.batch_size // hp.rloo_k, args.seed)
         rows = [r for r in prompts[rank * local_prompts:(rank + 1) * local_prompts] for _ in range(hp.rloo_k)]
         out = rollout(policy, tokenizer, rows, sample, gen.stop_strings, task)
-        metrics = rloo_step(policy, ref_policy, optimizer, out["queries"], out["responses"], out["scores"],
-                            out["masks"], hp=hp, pad_token_id=tokenizer.pad_token_id,
-                            eos_token_id=tokenizer.eos_token_id)
+        try:
+            metrics = rloo_step(policy, ref_policy, optimizer, out["queries"], out["responses"], out["scores"],
+                                out["masks"], hp=hp, pad_token_id=tokenizer.pad_token_id,
+                                eos_token_id=tokenizer.eos_token_id)
+        except FloatingPointError as e:
+            fail("--skip-nonfinite", False, f"{e} at iteration {iteration}: the run stops here, its last good "
+                 "checkpoint kept; lower --learning-rate, check the rewards, or pass --skip-nonfinite")
         episode += args.batch_size
         row = {"iteration": iteration, "episode": episode, "elapsed_s": round(time.time() - t0, 3),
                "lr": optimizer.param_groups[0]["lr"], **average_metrics(metrics, device)}
@@ -912,13 +980,15 @@ def main(args: Args) -> None:
             if world > 1:
                 torch.distributed.all_gather_object(rngs, rng_states())
             state = {"iteration": iteration, "episode": episode, "elapsed": time.time() - t0, "run_name": run_name,
-                     "optimizer": optimizer.state_dict(), "rng": rngs, "prompt_state": prompt_state}
+                     "optimizer": optimizer_state(optimizer), "rng": rngs, "prompt_state": prompt_state}
+            weights = {"policy": full_state_dict(policy)}
             if rank == 0:
-                save_checkpoint(output_dir / "checkpoints" / f"iter_{iteration:06d}",
-                                {"policy": policy}, tokenizer, state, args.keep_checkpoints)
+                save_checkpoint(output_dir / "checkpoints" / f"iter_{iteration:06d}", {"policy": policy}, weights,
+                                tokenizer, state, args.keep_checkpoints)
 
+    weights = full_state_dict(policy)
     if rank == 0:
-        policy.save_pretrained(output_dir / "model")
+        policy.save_pretrained(output_dir / "model", state_dict=weights)
         tokenizer.save_pretrained(output_dir / "model")
         final = json.loads(metrics_path.read_text().splitlines()[-1])
         print(f"final task/accuracy {final.get('task/accuracy')} eval/scores {final.get('eval/scores')} after "

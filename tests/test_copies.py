@@ -10,12 +10,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 SHARED_WITH_RLOO = [
     "GenArgs", "TaskArgs", "BUILTIN_CHARS", "build_tokenizer", "build_tiny_model", "addition_prompt",
-    "addition_eval_rows", "addition_reward", "fail", "load_callable", "load_pretrained", "load_policy", "model_context",
-    "check_task",
-    "load_prompt_dataset", "check_row", "render_prompt", "load_task", "draw_rows", "left_pad", "position_ids_from",
-    "generation_configs", "cut_responses", "generate", "call_reward_fns", "reward_model_scores", "rollout",
-    "response_valid_mask", "world_size", "global_sum", "sync_gradients", "masked_mean", "kl_penalty",
-    "setup_distributed", "disable_dropout", "average_metrics", "evaluate", "open_run", "log_row", "rng_states",
+    "addition_eval_rows", "addition_reward", "fail", "load_callable", "load_pretrained", "load_policy",
+    "model_context", "check_task", "load_prompt_dataset", "check_row", "render_prompt", "load_task", "draw_rows",
+    "left_pad", "position_ids_from", "generation_configs", "cut_responses", "generate", "call_reward_fns",
+    "reward_model_scores", "rollout", "response_valid_mask", "world_size", "global_sum", "sync_gradients",
+    "step_or_skip", "masked_mean", "kl_penalty", "setup_distributed", "shard", "full_state_dict", "optimizer_state",
+    "load_optimizer_state", "disable_dropout", "average_metrics", "evaluate", "open_run", "log_row", "rng_states",
     "set_rng_states", "save_checkpoint", "find_checkpoint",
 ]
 COPIES = {

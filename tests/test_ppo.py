@@ -159,7 +159,7 @@ def test_ppo_step_changes_parameters_and_returns_finite_metrics():
     expected = {"objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
                 "objective/scores", "policy/approxkl_avg", "policy/clipfrac_avg", "policy/entropy_avg",
                 "loss/policy_avg", "loss/value_avg", "val/clipfrac_avg", "val/ratio", "val/ratio_var",
-                "val/num_eos_tokens", "val/response_length"}
+                "val/num_eos_tokens", "val/response_length", "loss/nonfinite_skipped"}
     assert set(metrics) == expected
     assert metrics["val/num_eos_tokens"] == 8 and metrics["val/response_length"] == 4
     after = [*policy.parameters(), *value.parameters()]

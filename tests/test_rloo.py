@@ -74,7 +74,7 @@ def batch(tokenizer, prompts=4, k=4):
 EXPECTED = {"objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
             "objective/scores", "policy/approxkl_avg", "policy/clipfrac_avg", "policy/entropy_avg", "loss/policy_avg",
             "loss/kl_avg", "val/ratio", "val/ratio_var", "val/num_eos_tokens", "val/response_length",
-            "rloo/baseline_avg", "rloo/advantage_std", "rloo/frac_equal_groups"}
+            "rloo/baseline_avg", "rloo/advantage_std", "rloo/frac_equal_groups", "loss/nonfinite_skipped"}
 
 
 @pytest.mark.parametrize("hp", [rloo.RLOOHParams(), rloo.RLOOHParams(kl_in_reward=False, kl_estimator="k3"),
