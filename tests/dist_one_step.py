@@ -1,0 +1,56 @@
+"""Launched by tests/test_distributed.py under torchrun: one ppo_step or rloo_step on a fixed global batch, split over
+the processes (plain data parallel, or FSDP2 with --fsdp); rank 0 saves the resulting parameters.
+
+    torchrun --nproc_per_node 2 tests/dist_one_step.py ppo out.pt [--fsdp]
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import ppo  # noqa: E402
+import rloo  # noqa: E402
+
+
+def main(algo: str, out: str, fsdp: bool) -> None:
+    rank, world, device = ppo.setup_distributed()
+    torch.manual_seed(0)
+    tokenizer = ppo.build_tokenizer()
+    policy, ref = ppo.build_tiny_model(tokenizer), ppo.build_tiny_model(tokenizer).requires_grad_(False)
+    config = policy.config
+    config.num_labels = 1
+    value = ppo.disable_dropout(ppo.AutoModelForTokenClassification.from_config(config))
+    # the global batch: 4 prompts x 4 responses of different lengths, identical in every process
+    gen = torch.Generator().manual_seed(1)
+    queries = ppo.left_pad([tokenizer(f"{i}+{i * 3}=").input_ids for i in range(4)], tokenizer.pad_token_id)
+    queries = queries.repeat_interleave(4, 0)
+    responses = torch.randint(4, len(tokenizer), (16, 6), generator=gen)
+    for row, n in enumerate(torch.randint(1, 6, (16,), generator=gen).tolist()):
+        responses[row, n] = tokenizer.eos_token_id
+        responses[row, n + 1:] = tokenizer.pad_token_id
+    rewards = torch.rand(16, generator=gen)
+    mine = slice(rank * 16 // world, (rank + 1) * 16 // world)
+    models = [policy, value] if algo == "ppo" else [policy]
+    for model in [*models, ref]:
+        if fsdp:
+            ppo.shard(model, init_device_mesh(device.type, (world,)))
+    optimizer = torch.optim.SGD([p for m in models for p in m.parameters()], lr=0.5)
+    common = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    if algo == "ppo":
+        ppo.ppo_step(policy, value, ref, optimizer, queries[mine], responses[mine], rewards[mine],
+                     hp=ppo.PPOHParams(num_ppo_epochs=1, num_mini_batches=1, kl_coef=0.1), **common)
+    else:
+        rloo.rloo_step(policy, ref, optimizer, queries[mine], responses[mine], rewards[mine],
+                       hp=rloo.RLOOHParams(kl_coef=0.1), **common)
+    weights = {f"{i}.{k}": v for i, m in enumerate(models) for k, v in ppo.full_state_dict(m).items()}
+    if rank == 0:
+        torch.save(weights, out)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], "--fsdp" in sys.argv)

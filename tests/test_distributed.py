@@ -1,0 +1,138 @@
+"""Scale out and never lose a run: each script under torchrun (gloo, 2 processes), one optimisation step equal with
+1 and 2 processes (plain data parallel and FSDP2), a run killed with SIGKILL and resumed equal to one left alone,
+and the NaN/inf guard."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import ppo
+from conftest import ROOT, assert_one_line_error, run_script
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+TINY = {
+    "ppo.py": ["--total-episodes", "64", "--batch-size", "16", "--num-mini-batches", "2", "--eval-every", "2"],
+    "rloo.py": ["--total-episodes", "64", "--batch-size", "16", "--eval-every", "2"],
+    "interleave.py": ["--total-steps", "4", "--eval-every", "2", "--sft.batch-size", "8", "--rloo.batch-size", "8"],
+}
+
+
+def rows_of(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("script, extra", [("ppo.py", []), ("ppo.py", ["--fsdp"]), ("rloo.py", []),
+                                           ("rloo.py", ["--fsdp"]), ("interleave.py", ["--phases", "sft", "ppo"]),
+                                           ("interleave.py", ["--fsdp"])])
+def test_script_under_torchrun(script, extra, tmp_path):
+    result = run_script(script, *TINY[script], *extra, "--save-every", "2", "--output-dir", tmp_path / "run",
+                        launcher=TORCHRUN)
+    assert result.returncode == 0, result.stderr[-4000:]
+    rows = rows_of(tmp_path / "run")
+    assert rows[-1]["iteration"] == 4 and "task/accuracy" in rows[-1]
+    assert result.stdout.count("final task/accuracy") == 1  # only rank 0 prints
+    state = torch.load(tmp_path / "run" / "checkpoints" / "iter_000004" / "state.pt", weights_only=False)
+    assert len(state["rng"]) == 2  # every process's random state, for an exact resume
+    model = ppo.AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "model")  # gathered whole on rank 0
+    assert model.config.architectures == ["LlamaForCausalLM"]
+
+
+@pytest.mark.parametrize("algo", ["ppo", "rloo"])
+def test_one_step_equal_with_one_and_two_processes(algo, tmp_path):
+    """Same global batch, one SGD step: 2 processes (data parallel or FSDP2) give the 1-process parameters within
+    1e-6 (float32 sums in another order)."""
+    out = {}
+    for n, mode in [(1, ""), (2, ""), (2, "--fsdp")]:
+        path = tmp_path / f"{n}{mode}.pt"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n),
+               str(ROOT / "tests" / "dist_one_step.py"), algo, str(path), *([mode] if mode else [])]
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert result.returncode == 0, result.stderr[-4000:]
+        out[(n, mode)] = torch.load(path)
+    torch.manual_seed(0)
+    initial = ppo.build_tiny_model(ppo.build_tokenizer()).state_dict()
+    assert any(not torch.equal(out[(1, "")][f"0.{k}"], v) for k, v in initial.items())  # the step did move
+    for key in [(2, ""), (2, "--fsdp")]:
+        for name, value in out[(1, "")].items():
+            torch.testing.assert_close(out[key][name], value, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("script", ["ppo.py", "rloo.py"])
+def test_sigkill_then_resume_equals_a_run_left_alone(script, tmp_path):
+    args = [*TINY[script], "--total-episodes", "640", "--save-every", "2", "--keep-checkpoints", "3"]
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    assert run_script(script, *args, "--output-dir", full).returncode == 0
+    proc = subprocess.Popen([sys.executable, str(ROOT / script), *args, "--output-dir", str(killed)], cwd=ROOT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not (killed / "checkpoints" / "iter_000006").exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+    assert not (killed / "model").exists()
+    result = run_script(script, *args, "--output-dir", killed, "--resume", "latest")
+    assert result.returncode == 0, result.stderr[-3000:]
+    strip = lambda rows: [{k: v for k, v in r.items() if k != "elapsed_s"} for r in rows]  # noqa: E731
+    assert strip(rows_of(killed)) == strip(rows_of(full))
+    a, b = load_file(full / "model" / "model.safetensors"), load_file(killed / "model" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_latest_skips_half_written_checkpoints(tmp_path):
+    run = tmp_path / "run"
+    assert run_script("ppo.py", *TINY["ppo.py"], "--save-every", "2", "--output-dir", run).returncode == 0
+    shutil.copytree(run / "checkpoints" / "iter_000004", run / "checkpoints" / "iter_000006.tmp")  # a crash mid-write
+    (run / "checkpoints" / "iter_000008").mkdir()  # a folder without state.pt
+    assert ppo.find_checkpoint("latest", run).name == "iter_000004"
+
+
+NAN_REWARD = textwrap.dedent('''
+    calls = 0
+
+    def blows_up(prompts, completions, **kwargs):
+        """Fine for the first evaluation and 3 iterations, then a score that overflows float32."""
+        global calls
+        calls += 1
+        return [1e200 if calls > 4 else float(len(c) % 2) for c in completions]
+''')
+
+
+@pytest.mark.parametrize("script", ["ppo.py", "rloo.py"])
+def test_nonfinite_loss_stops_with_the_last_checkpoint_kept(script, tmp_path):
+    (tmp_path / "nan_reward.py").write_text(NAN_REWARD)
+    reward = f"{tmp_path / 'nan_reward.py'}:blows_up"
+    args = [*TINY[script], "--prompt-fn", "ppo:addition_prompt", "--reward-fn", reward, "--eval-every", "100",
+            "--save-every", "2", "--output-dir", tmp_path / "run"]
+    line = assert_one_line_error(run_script(script, *args), "--skip-nonfinite", "NaN/inf at iteration 4")
+    assert "last good checkpoint" in line
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["iter_000002"]
+    assert [r["iteration"] for r in rows_of(tmp_path / "run")] == [0, 1, 2, 3]
+    # asked to skip such batches, the run goes on and counts them
+    result = run_script(script, *args, "--skip-nonfinite")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = rows_of(tmp_path / "run")
+    assert rows[-1]["iteration"] == 4 and rows[-1]["loss/nonfinite_skipped"] > 0
+
+
+def test_step_or_skip():
+    layer = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=1.0)
+    before = [p.detach().clone() for p in layer.parameters()]
+    layer(torch.tensor([[float("inf"), 1.0]])).sum().backward()  # an inf gradient: the norm check must catch it
+    params = list(layer.parameters())
+    assert ppo.step_or_skip(optimizer, params, False, 1.0, skip_nonfinite=True) is False
+    assert all(torch.equal(a, b) for a, b in zip(before, layer.parameters())) and layer.weight.grad is None
+    with pytest.raises(FloatingPointError):
+        ppo.step_or_skip(optimizer, params, True, 1.0, skip_nonfinite=False)
