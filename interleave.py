@@ -47,7 +47,7 @@ LOGGED = {
              "loss/policy_avg", "loss/kl_avg", "val/ratio", "val/ratio_var", "val/num_eos_tokens",
              "val/response_length", "rloo/baseline_avg", "rloo/advantage_std", "rloo/frac_equal_groups",
              "loss/nonfinite_skipped"],
-    "prm": ["train/loss", "train/step_accuracy"],
+    "prm": ["train/loss", "train/step_accuracy", "train/pad_fraction", "train/nonfinite_skipped"],
 }
 EVAL_METRICS = ["task/accuracy", "eval/scores"]
 
@@ -282,9 +282,8 @@ def sft_step(policy, optimizer, input_ids: torch.Tensor, attention_mask: torch.T
     n = ppo.global_sum(mask.sum().float()).clamp(min=1) / ppo.world_size()
     losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets.clamp(min=0), reduction="none")
     loss = (losses * mask).sum() / n
+    loss.backward()  # even when not finite: every process runs the same collectives
     finite = torch.isfinite(loss)
-    if finite:
-        loss.backward()
     params = [p for g in optimizer.param_groups for p in g["params"]]
     taken = ppo.step_or_skip(optimizer, params, ppo.global_sum((~finite).float()) > 0, max_grad_norm, skip_nonfinite)
     correct = (logits.argmax(-1) == targets) & mask
@@ -406,8 +405,12 @@ def main(args: Args) -> None:
             if cfg.on_failures:  # this process's own failures replace the first demonstrations
                 rows, failures = failures[:local] + rows[len(failures[:local]):], failures[local:]
             batch = sft_batch(tokenizer, [r["prompt"] for r in rows], [str(r[cfg.completion_column]) for r in rows])
-            metrics = sft_step(policy, optimizers["sft"], **batch, max_grad_norm=cfg.max_grad_norm,
-                               skip_nonfinite=cfg.skip_nonfinite)
+            try:
+                metrics = sft_step(policy, optimizers["sft"], **batch, max_grad_norm=cfg.max_grad_norm,
+                                   skip_nonfinite=cfg.skip_nonfinite)
+            except FloatingPointError as e:
+                fail("--sft.skip-nonfinite", False, f"{e} at step {step}: the run stops here, its last good "
+                     "checkpoint kept; lower the learning rate, or pass the flag")
         # 2. RL: a rollout on the phase's own prompts and rewards, then ppo_step or rloo_step
         elif phase in ("ppo", "rloo"):
             k = cfg.hp.rloo_k if phase == "rloo" else 1

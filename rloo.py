@@ -312,12 +312,12 @@ def load_prompt_dataset(path: str, split: str, column: str) -> datasets.Dataset:
         if os.path.isfile(path):
             if Path(path).suffix not in kinds:
                 fail("--dataset", path, f"unknown file type; use one of {sorted(kinds)}")
-            ds = datasets.load_dataset(kinds[Path(path).suffix], data_files={split: path}, split=split)
+            ds = datasets.load_dataset(kinds[Path(path).suffix], data_files=path, split=split)
         else:
             ds = datasets.load_dataset(path, split=split)
-    except (FileNotFoundError, ValueError, datasets.exceptions.DatasetNotFoundError) as e:
+    except (OSError, ValueError, datasets.exceptions.DatasetsError) as e:  # OSError: no such file, or offline
         fail("--dataset", path, f"cannot load split {split!r} ({str(e).splitlines()[0][:120]}); check the path, "
-                                "the hub id and --dataset-split/--eval-split")
+                                "the hub id and --dataset-split/--eval-split (a single file is the split 'train')")
     if column not in ds.column_names:
         fail("--prompt-column", column, f"the dataset has no such column; it has {ds.column_names}")
     return ds.rename_column(column, "prompt") if column != "prompt" else ds
@@ -692,10 +692,10 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
                     else torch.zeros_like(new_logprobs)
                 if not hp.kl_in_reward:
                     loss = loss + hp.kl_coef * (kl_losses * train[i]).sum() / n_train
+                loss.backward()  # even when not finite: every process runs the same collectives
                 if not torch.isfinite(loss):
                     bad += 1
                     continue
-                loss.backward()
                 with torch.no_grad():
                     t = train[i]
                     stats["pg_loss"].append(masked_mean(pg_losses, t))
@@ -784,7 +784,7 @@ def load_optimizer_state(optimizer, state: dict) -> None:
 
 
 def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
-    """Set every dropout probability to 0 (dropout would make the PPO ratio noisy)."""
+    """Set every dropout probability to 0 (with dropout, the same tokens get different logprobs in each pass)."""
     for m in model.modules():
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0

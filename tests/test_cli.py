@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_one_line_error, run_script
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
+
+from conftest import assert_one_line_error, run_script
 
 SCRIPTS = ["ppo.py", "rloo.py"]
 TINY = ["--total-episodes", "32", "--batch-size", "16", "--num-mini-batches", "2", "--eval-every", "1",
@@ -175,6 +176,8 @@ def test_save_then_resume_gives_the_same_run(script, tmp_path):
     (["--reward-fn", "my_prompts:exact", "--reward-weights", "1", "2", "--prompt-fn", "my_prompts:digits"],
      "--reward-weights", ["one weight per"]),
     (["--dataset", "long.jsonl", "--reward-fn", "my_prompts:exact"], "--dataset", ["context of 256"]),
+    (["--dataset", "chat.jsonl", "--eval-split", "test", "--reward-fn", "my_prompts:exact"], "--dataset",
+     ["a single file is the split 'train'"]),
     (["--prompt-fn", "my_prompts:too_long", "--reward-fn", "my_prompts:exact"], "--max-new-tokens", ["context of 256"]),
     (["--resume", "no_such_checkpoint"], "--resume", ["not a checkpoint folder"]),
 ])

@@ -18,8 +18,14 @@ SHARED_WITH_RLOO = [
     "load_optimizer_state", "disable_dropout", "average_metrics", "evaluate", "open_run", "log_row", "rng_states",
     "set_rng_states", "save_checkpoint", "find_checkpoint",
 ]
+SHARED_WITH_PRM = [
+    "BUILTIN_CHARS", "build_tokenizer", "build_tiny_model", "fail", "load_pretrained", "model_context", "world_size",
+    "global_sum", "sync_gradients", "step_or_skip", "setup_distributed", "average_metrics", "open_run", "log_row",
+    "rng_states", "set_rng_states", "save_checkpoint", "find_checkpoint",
+]
 COPIES = {
     "rloo.py": SHARED_WITH_RLOO,
+    "stepwise_prm.py": SHARED_WITH_PRM,
 }
 
 

@@ -23,6 +23,8 @@ TINY = {
     "ppo.py": ["--total-episodes", "64", "--batch-size", "16", "--num-mini-batches", "2", "--eval-every", "2"],
     "rloo.py": ["--total-episodes", "64", "--batch-size", "16", "--eval-every", "2"],
     "interleave.py": ["--total-steps", "4", "--eval-every", "2", "--sft.batch-size", "8", "--rloo.batch-size", "8"],
+    "stepwise_prm.py": ["--num-train-rows", "200", "--num-eval-rows", "40", "--best-of-n", "4", "--warmup-steps", "10",
+                        "--total-steps", "4", "--batch-size", "16", "--eval-every", "2"],
 }
 
 
@@ -32,18 +34,19 @@ def rows_of(run_dir):
 
 @pytest.mark.parametrize("script, extra", [("ppo.py", []), ("ppo.py", ["--fsdp"]), ("rloo.py", []),
                                            ("rloo.py", ["--fsdp"]), ("interleave.py", ["--phases", "sft", "ppo"]),
-                                           ("interleave.py", ["--fsdp"])])
+                                           ("interleave.py", ["--fsdp"]), ("stepwise_prm.py", [])])
 def test_script_under_torchrun(script, extra, tmp_path):
     result = run_script(script, *TINY[script], *extra, "--save-every", "2", "--output-dir", tmp_path / "run",
                         launcher=TORCHRUN)
     assert result.returncode == 0, result.stderr[-4000:]
     rows = rows_of(tmp_path / "run")
-    assert rows[-1]["iteration"] == 4 and "task/accuracy" in rows[-1]
-    assert result.stdout.count("final task/accuracy") == 1  # only rank 0 prints
+    assert rows[-1]["iteration"] == 4 and any(k.startswith("eval/") for k in rows[-1])
+    assert result.stdout.count("final ") == 1  # only rank 0 prints
     state = torch.load(tmp_path / "run" / "checkpoints" / "iter_000004" / "state.pt", weights_only=False)
     assert len(state["rng"]) == 2  # every process's random state, for an exact resume
-    model = ppo.AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "model")  # gathered whole on rank 0
-    assert model.config.architectures == ["LlamaForCausalLM"]
+    auto = ppo.AutoModelForTokenClassification if script == "stepwise_prm.py" else ppo.AutoModelForCausalLM
+    model = auto.from_pretrained(tmp_path / "run" / "model")  # gathered whole on rank 0
+    assert model.config.architectures[0].startswith("Llama")
 
 
 @pytest.mark.parametrize("algo", ["ppo", "rloo"])

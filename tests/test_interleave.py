@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 import interleave
 import ppo
 import rloo
+import stepwise_prm
 from conftest import assert_one_line_error, run_script
 from interleave import Args, SFTPhase, Turn
 
@@ -71,6 +72,11 @@ def test_every_phase_logs_what_the_schedule_may_wait_for(tiny_model_dir):
     out = ppo.ppo_step(policy, value, ref, torch.optim.AdamW([*policy.parameters(), *value.parameters()]), queries,
                        responses, torch.arange(4.0), hp=ppo.PPOHParams(), pad_token_id=0, eos_token_id=2)
     assert sorted(out) == sorted(interleave.LOGGED["ppo"])
+    config.num_labels = 2
+    prm = ppo.AutoModelForTokenClassification.from_config(config)
+    rows = [stepwise_prm.tokenize_example(tokenizer, "1+2+3=", ["1+2=3", "3+3=6"], [True, False])]
+    out = stepwise_prm.prm_step(prm, torch.optim.AdamW(prm.parameters()), rows, pad_token_id=0)
+    assert sorted(out) == sorted(interleave.LOGGED["prm"])
 
 
 def test_sft_step_learns_and_ignores_the_prompt():

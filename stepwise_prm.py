@@ -1,0 +1,725 @@
+"""Process-supervised (stepwise) reward models, in one file: train one, evaluate it, use it.
+
+A process reward model (PRM) scores every reasoning step of a solution, not only its final answer (Lightman et al.
+2023, "Let's Verify Step by Step", arXiv 2305.20050; Wang et al. 2024, "Math-Shepherd", arXiv 2312.08935). Training
+is token classification with 2 labels, as in TRL's PRMTrainer (trl/experimental/prm/prm_trainer.py, up to TRL 1.13):
+the separator is appended to every step and the step's label sits on the step's last token; every other token, the
+prompt included, is ignored (-100). Label 1 means the step is correct, 0 that it is wrong, so a step's score is
+softmax(logits)[..., 1] at its last token, and a solution's score is the minimum over its steps.
+
+    python stepwise_prm.py        # built-in task: multi-step running sums, tiny model, offline, about 2 minutes
+    python stepwise_prm.py --model Qwen/Qwen2.5-0.5B --dataset trl-lib/math_shepherd --max-length 1024
+
+A PRM must start from a language model that already knows the domain: only the last token of each step carries a
+label, and from random weights that thin signal teaches nothing. Real PRMs start from a pretrained LM; the built-in
+tiny model first gets a short causal-LM warm start on the training solutions whose steps are all correct
+(--warmup-steps), and its weights then go into the token classifier under a fresh 2-label head.
+
+Custom loops import `prm_step` (one update on tokenized rows) and `score_steps` (the probability that each step is
+correct: for best-of-N reranking or per-step rewards in RL); `main()` below is one such loop.
+"""
+
+import copy
+import json
+import math
+import os
+import random
+import shutil
+import time
+import zlib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, NoReturn
+
+import datasets
+import torch
+import tyro
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from tqdm import tqdm
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForTokenClassification,
+    AutoTokenizer,
+    LlamaConfig,
+    PreTrainedTokenizerFast,
+)
+
+
+@dataclass
+class Args:
+    """Train a process reward model (a 2-label token classifier) on stepwise-labelled solutions."""
+
+    exp_name: str = "stepwise_prm"
+    """name of this experiment (part of the run name)"""
+    seed: int = 1
+    """seed of python, torch, the built-in training rows and the batch order (each process adds its rank)"""
+    output_dir: str | None = None
+    """run folder (config.json, metrics.jsonl, checkpoints/, model/); default runs/<run_name>"""
+    track: bool = False
+    """log to Weights & Biases (works offline with WANDB_MODE=offline)"""
+    wandb_project: str = "rlft"
+    """wandb project"""
+    wandb_entity: str | None = None
+    """wandb entity (team or user)"""
+    model: str = "builtin"
+    """a Hugging Face id or local folder, loaded as a 2-label token classifier (a causal LM gets a fresh head);
+    'builtin' is a tiny Llama-shaped model built from config"""
+    trust_remote_code: bool = False
+    """allow model code from the hub (off unless asked)"""
+    dataset: str | None = None
+    """stepwise rows (prompt, completions, labels): a hub id, or a local json/jsonl/parquet file or folder;
+    default: the built-in task"""
+    dataset_split: str = "train"
+    """split of --dataset to train on"""
+    eval_split: str | None = None
+    """split of --dataset to evaluate on (default: the last --num-eval-rows rows of --dataset-split, held out)"""
+    num_train_rows: int = 20_000
+    """rows of the built-in training set"""
+    num_eval_rows: int = 1000
+    """rows to evaluate on: the built-in held-out set, the first rows of --eval-split, or those held out"""
+    best_of_n: int = 8
+    """candidates per problem in the built-in task's best-of-N check (0: off)"""
+    step_separator: str = "\n"
+    """appended to every step; the step's label goes on its last token"""
+    max_length: int | None = None
+    """cut each tokenized row to this many tokens (default: the model's context)"""
+    max_completion_length: int | None = None
+    """cut the steps to this many tokens before --max-length applies (default: no cut)"""
+    train_on_last_step_only: bool = False
+    """train on the label of the final step only (evaluation always uses every step)"""
+    warmup_steps: int | None = None
+    """causal-LM steps on the all-correct training solutions before PRM training, for the built-in model only
+    (default: 1500; a pretrained --model needs none)"""
+    total_steps: int = 1500
+    """PRM optimizer steps, each on --batch-size rows"""
+    batch_size: int = 64
+    """rows per step, over all processes"""
+    gradient_accumulation_steps: int = 1
+    """micro-batches per step in each process (gradients accumulated)"""
+    learning_rate: float | None = None
+    """AdamW learning rate of the warm start and the PRM (default: 1e-3 for the built-in model, 1e-5 for any other)"""
+    anneal_lr: bool = True
+    """decay the learning rate linearly to 0"""
+    max_grad_norm: float = 1.0
+    """gradient-norm clip"""
+    skip_nonfinite: bool = False
+    """skip (and count) a step whose loss or gradient norm is NaN/inf, instead of stopping the run"""
+    eval_every: int = 250
+    """evaluate on the held-out rows every this many steps (and at the start and the end)"""
+    save_every: int = 0
+    """write a checkpoint every this many steps (0: only the final model)"""
+    keep_checkpoints: int = 2
+    """keep the newest this many checkpoints (0: all)"""
+    resume: str | None = None
+    """continue from a checkpoint folder (.../checkpoints/iter_000100), or 'latest' in --output-dir"""
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The built-in task: a character tokenizer, a tiny model, and multi-step running sums with some wrong steps
+
+
+BUILTIN_CHARS = "0123456789+-*=\n "
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level tokenizer over BUILTIN_CHARS, built offline with the `tokenizers` library."""
+    vocab = {t: i for i, t in enumerate(["<pad>", "<bos>", "<eos>", "<unk>", *BUILTIN_CHARS])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>",
+                                        eos_token="<eos>", unk_token="<unk>", padding_side="left")
+    tokenizer.chat_template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    return tokenizer
+
+
+def build_tiny_model(tokenizer: PreTrainedTokenizerFast, hidden: int = 64, layers: int = 2) -> torch.nn.Module:
+    """A Llama-shaped causal LM built from config (random init; seed torch first for a fixed one)."""
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=4 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
+                         max_position_embeddings=256, tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def multistep_problem(rng: random.Random) -> dict:
+    """One problem of the built-in task: a running sum of 3-5 operands 0-4 ('2+3+4='), its correct steps
+    (['2+3=5', '5+4=9']) and its answer ('9')."""
+    nums = [rng.randrange(5) for _ in range(rng.randint(3, 5))]
+    steps, total = [], nums[0]
+    for x in nums[1:]:
+        steps.append(f"{total}+{x}={total + x}")
+        total += x
+    return {"prompt": "+".join(map(str, nums)) + "=", "steps": steps, "answer": str(total)}
+
+
+def multistep_row(rng: random.Random, prompt: str | None = None, p_wrong: float = 0.5) -> dict:
+    """A labelled solution to `prompt` (default: a new problem) in the stepwise format. With probability p_wrong one
+    step's result is off by 1-3; later steps carry on from the wrong value; that step and every later one are
+    labelled False, as in Math-Shepherd."""
+    prompt = prompt or multistep_problem(rng)["prompt"]
+    nums = [int(x) for x in prompt[:-1].split("+")]
+    wrong_at = rng.randrange(len(nums) - 1) if rng.random() < p_wrong else len(nums)
+    completions, total = [], nums[0]
+    for i, x in enumerate(nums[1:]):
+        result = total + x
+        if i == wrong_at:
+            off = rng.randint(1, 3)
+            result += off if result < off or rng.random() < 0.5 else -off
+        completions.append(f"{total}+{x}={result}")
+        total = result
+    return {"prompt": prompt, "completions": completions, "labels": [i < wrong_at for i in range(len(nums) - 1)]}
+
+
+def builtin_rows(rng: random.Random, n: int, held_out: bool) -> list[dict]:
+    """n labelled rows whose problems are (held_out=True) or are not in the held-out tenth of all problems, chosen
+    by a hash of the prompt, so that no evaluation problem is ever trained on."""
+    rows = []
+    while len(rows) < n:
+        row = multistep_row(rng)
+        if (zlib.crc32(row["prompt"].encode()) % 10 == 0) == held_out:
+            rows.append(row)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Loading and checking stepwise data
+
+
+def fail(flag: str, value: Any, fix: str) -> NoReturn:
+    """Stop the run with one line that names the flag, its value and the fix (no traceback)."""
+    raise SystemExit(f"error: {flag} {value!r}: {fix}")
+
+
+def load_pretrained(auto_cls, name: str, flag: str, trust_remote_code: bool = False, **kwargs) -> Any:
+    """from_pretrained with a one-line error when the folder or hub id cannot be loaded."""
+    try:
+        return auto_cls.from_pretrained(name, trust_remote_code=trust_remote_code, **kwargs)
+    except (OSError, ValueError) as e:
+        hint = "no such folder, and" if not os.path.isdir(name) else "the folder exists but"
+        fail(flag, name, f"{hint} it cannot be loaded ({str(e).splitlines()[0][:120]}); give a folder written by "
+                         "save_pretrained or a Hugging Face id (offline runs need a local folder)")
+
+
+def model_context(model) -> int:
+    """The most positions the model takes."""
+    return getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None) or 10**9
+
+
+def load_stepwise(path: str, split: str) -> list[dict]:
+    """Rows (prompt, completions, labels) of a hub dataset or a local json/jsonl/parquet file or folder, checked:
+    any bad row stops the run with one line naming the row and the fix."""
+    kinds = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+    try:
+        if os.path.isfile(path):
+            if Path(path).suffix not in kinds:
+                fail("--dataset", path, f"unknown file type; use one of {sorted(kinds)}")
+            ds = datasets.load_dataset(kinds[Path(path).suffix], data_files=path, split=split)
+        else:
+            ds = datasets.load_dataset(path, split=split)
+    except (OSError, ValueError, datasets.exceptions.DatasetsError) as e:  # OSError: no file, or offline
+        fail("--dataset", path, f"cannot load split {split!r} ({str(e).splitlines()[0][:120]}); check the path, "
+                                "the hub id and --dataset-split/--eval-split (a single file is the split 'train')")
+    missing = [c for c in ("prompt", "completions", "labels") if c not in ds.column_names]
+    if missing:
+        fail("--dataset", path, f"missing column(s) {missing}: stepwise rows need prompt, completions and labels; "
+                                f"it has {ds.column_names}")
+    rows = ds.select_columns(["prompt", "completions", "labels"]).to_list()
+    for i, row in enumerate(rows):
+        where, steps, labels = f"row {i} of split {split!r}", row["completions"] or [], row["labels"] or []
+        if not isinstance(row["prompt"], str) or not all(isinstance(s, str) for s in steps):
+            fail("--dataset", path, f"{where}: the prompt and every completion must be strings")
+        if not steps:
+            fail("--dataset", path, f"{where} has no completions; give each row at least one step, or drop the row")
+        if len(labels) != len(steps):
+            fail("--dataset", path, f"{where} has {len(labels)} labels for {len(steps)} completions; give one "
+                                    "label per step")
+        bad = [v for v in labels if not isinstance(v, bool)]
+        if bad:
+            fail("--dataset", path, f"{where} has the label {bad[0]!r}, which is not a boolean; write each label as "
+                                    "true or false (numbers are not cast)")
+    return rows
+
+
+def tokenize_example(tokenizer, prompt: str, completions: list[str], labels: list[bool], step_separator: str = "\n",
+                     max_length: int | None = None, max_completion_length: int | None = None,
+                     train_on_last_step_only: bool = False) -> dict[str, list[int]]:
+    """Token ids and labels of one stepwise row: [BOS] prompt step_1 sep step_2 sep ... Each step's label (1 correct,
+    0 wrong) sits on its last token (the last separator token); every other token is -100. The BOS comes only when
+    the tokenizer has one. The steps are cut to max_completion_length first, then the whole row to max_length; a
+    step cut short loses its label."""
+    prompt_ids = tokenizer(prompt, add_special_tokens=False).input_ids
+    if tokenizer.bos_token_id is not None:
+        prompt_ids = [tokenizer.bos_token_id, *prompt_ids]
+    separator = tokenizer(step_separator, add_special_tokens=False).input_ids
+    step_ids = tokenizer(list(completions), add_special_tokens=False).input_ids if completions else []
+    completion_ids, completion_labels = [], []
+    for i, (ids, label) in enumerate(zip(step_ids, labels)):
+        keep = not train_on_last_step_only or i == len(completions) - 1
+        completion_ids += ids + separator
+        completion_labels += [-100] * (len(ids) + len(separator) - 1) + [int(label) if keep else -100]
+    if max_completion_length is not None:
+        completion_ids, completion_labels = completion_ids[:max_completion_length], \
+            completion_labels[:max_completion_length]
+    input_ids, labels = prompt_ids + completion_ids, [-100] * len(prompt_ids) + completion_labels
+    if max_length is not None:
+        input_ids, labels = input_ids[:max_length], labels[:max_length]
+    return {"input_ids": input_ids, "labels": labels}
+
+
+def pad_batch(examples: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad tokenized rows: input_ids, attention_mask and labels, each [B, L] (labels -100 on padding)."""
+    width = max(len(e["input_ids"]) for e in examples)
+    pad = lambda seq, value: seq + [value] * (width - len(seq))  # noqa: E731
+    return {"input_ids": torch.tensor([pad(e["input_ids"], pad_token_id) for e in examples]),
+            "attention_mask": torch.tensor([pad([1] * len(e["input_ids"]), 0) for e in examples]),
+            "labels": torch.tensor([pad(e["labels"], -100) for e in examples])}
+
+
+def length_grouped_batches(lengths: list[int], batch_size: int, seed: int) -> list[list[int]]:
+    """One epoch of batches of rows of similar length, so that little of each batch is padding: shuffle, sort each
+    window of 50 batches by length, cut it into batches (a window's last partial batch is dropped), shuffle them."""
+    generator = torch.Generator().manual_seed(seed)
+    order, window, batches = torch.randperm(len(lengths), generator=generator).tolist(), 50 * batch_size, []
+    for w in range(0, len(order), window):
+        rows = sorted(order[w:w + window], key=lambda i: lengths[i])
+        batches += [rows[b:b + batch_size] for b in range(0, len(rows) - batch_size + 1, batch_size)]
+    return [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
+
+
+def next_batch(lengths: list[int], state: dict, batch_size: int, seed: int) -> list[int]:
+    """Row indices of the next batch. `state` (the epoch and its batches still to come) is all the position there
+    is, and goes into checkpoints."""
+    if not state["batches"]:
+        state["batches"] = length_grouped_batches(lengths, batch_size, seed + state["epoch"])
+        state["epoch"] += 1
+    return state["batches"].pop()
+
+
+def warm_start(lm, examples: list[dict], steps: int, lr: float, batch_size: int, pad_token_id: int, seed: int,
+               progress: bool = False) -> float:
+    """Train a causal LM on solutions (tokenized rows) so that the PRM starts from weights that know the domain.
+    Returns the mean loss over the last tenth of the steps."""
+    optimizer = torch.optim.AdamW(lm.parameters(), lr=lr)
+    state, losses, device = {"epoch": 0, "batches": []}, [], next(lm.parameters()).device
+    lengths = [len(e["input_ids"]) for e in examples]
+    for step in tqdm(range(steps), desc="warm start", disable=not progress):
+        optimizer.param_groups[0]["lr"] = lr * (1 - step / steps)
+        batch = pad_batch([examples[i] for i in next_batch(lengths, state, batch_size, seed)], pad_token_id)
+        targets = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+        loss = lm(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device),
+                  labels=targets.to(device)).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(lm.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    tail = losses[-max(1, steps // 10):]
+    return sum(tail) / len(tail)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The PRM update (with ppo.py's gradient averaging and NaN guard), and using a PRM
+
+
+def world_size() -> int:
+    """Number of processes (1 without torchrun)."""
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+
+def global_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over all processes (identity in a single process)."""
+    if torch.distributed.is_initialized():
+        x = x.clone()
+        torch.distributed.all_reduce(x)
+    return x
+
+
+def sync_gradients(params: list[torch.nn.Parameter]) -> None:
+    """Average gradients over processes, what DistributedDataParallel does after backward (left to FSDP when the
+    parameters are sharded DTensors, whose gradients it has already reduced)."""
+    if not torch.distributed.is_initialized():
+        return
+    grads = [p.grad for p in params if p.grad is not None and not hasattr(p.grad, "placements")]
+    if grads:
+        flat = torch.cat([g.flatten() for g in grads])
+        torch.distributed.all_reduce(flat)
+        flat /= torch.distributed.get_world_size()
+        for g, chunk in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(chunk.view_as(g))
+
+
+def step_or_skip(optimizer, params: list, nonfinite: bool, max_grad_norm: float, skip_nonfinite: bool) -> bool:
+    """Average the gradients over processes, clip them and take the optimizer step, unless a loss (`nonfinite`) or
+    the gradient norm is NaN/inf: then drop the gradients and skip the step, or raise FloatingPointError so that the
+    run stops with its last good checkpoint in place. Returns whether the step was taken."""
+    if not nonfinite:
+        sync_gradients(params)
+        nonfinite = not torch.isfinite(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
+    if nonfinite and not skip_nonfinite:
+        optimizer.zero_grad(set_to_none=True)
+        raise FloatingPointError("the loss or the gradient norm is NaN/inf")
+    if not nonfinite:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return not nonfinite
+
+
+def prm_step(model, optimizer, batch: list[dict], *, pad_token_id: int, gradient_accumulation_steps: int = 1,
+             max_grad_norm: float = 1.0, skip_nonfinite: bool = False) -> dict[str, float]:
+    """One update of a PRM on tokenized rows (tokenize_example's output, best sorted by length).
+
+    The loss is the cross-entropy summed over labelled tokens and divided by the batch's labelled-token count over
+    all processes, so gradient accumulation over micro-batches (each padded only to its own longest row) and data
+    parallelism (gradients averaged by step_or_skip, or reduced by FSDP) give the gradient of one big batch. A NaN/inf
+    loss or gradient norm raises FloatingPointError, or with skip_nonfinite skips the update. Returns metrics over
+    this process's rows.
+    """
+    device = next(model.parameters()).device
+    labelled_here = sum(label != -100 for e in batch for label in e["labels"])
+    n_labelled = global_sum(torch.tensor(float(labelled_here), device=device)).clamp(min=1) / world_size()
+    micro = -(-len(batch) // gradient_accumulation_steps)
+    total_loss = correct = tokens = real_tokens = bad = 0.0
+    for start in range(0, len(batch), micro):
+        mb = {k: v.to(device) for k, v in pad_batch(batch[start:start + micro], pad_token_id).items()}
+        logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits.float()  # [b, L, 2]
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), mb["labels"].flatten(), reduction="sum")
+        (loss / n_labelled).backward()  # even when not finite: every process runs the same collectives
+        labelled = mb["labels"] != -100  # the positions cross_entropy counts (it ignores -100)
+        total_loss, bad = total_loss + loss.item(), bad + (not math.isfinite(loss.item()))
+        correct += (logits.argmax(-1) == mb["labels"])[labelled].sum().item()
+        tokens, real_tokens = tokens + mb["attention_mask"].numel(), real_tokens + mb["attention_mask"].sum().item()
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    taken = step_or_skip(optimizer, params, global_sum(torch.tensor(bad, device=device)) > 0, max_grad_norm,
+                         skip_nonfinite)
+    return {"train/loss": total_loss / max(labelled_here, 1), "train/step_accuracy": correct / max(labelled_here, 1),
+            "train/pad_fraction": 1 - real_tokens / tokens, "train/nonfinite_skipped": float(not taken)}
+
+
+@torch.no_grad()
+def score_steps(model, tokenizer, prompt: str | list[str], completions: list[str] | list[list[str]],
+                step_separator: str = "\n", batch_size: int = 64) -> list[float] | list[list[float]]:
+    """The probability that each step is correct. One solution (a prompt and its steps) gives a list of floats;
+    a list of prompts and a list of step lists give one list per solution, scored batch_size at a time."""
+    single = isinstance(prompt, str)
+    prompts, solutions = ([prompt], [completions]) if single else (prompt, completions)
+    examples = [tokenize_example(tokenizer, p, c, [True] * len(c), step_separator) for p, c in zip(prompts, solutions)]
+    device, was_training, scores = next(model.parameters()).device, model.training, []
+    model.eval()
+    for i in range(0, len(examples), batch_size):
+        batch = pad_batch(examples[i:i + batch_size], tokenizer.pad_token_id or 0)
+        logits = model(input_ids=batch["input_ids"].to(device),
+                       attention_mask=batch["attention_mask"].to(device)).logits  # [B, L, 2]
+        probs = logits.float().softmax(-1)[..., 1].cpu()  # [B, L] probability of label 1, "correct"
+        scores += [p[labels != -100].tolist() for p, labels in zip(probs, batch["labels"])]
+    model.train(was_training)
+    return scores[0] if single else scores
+
+
+def first_true(mask: torch.Tensor) -> torch.Tensor:
+    """[B] index of the first True in each row of a [B, L] mask (L when there is none)."""
+    return torch.where(mask, torch.arange(mask.shape[1], device=mask.device), mask.shape[1]).min(1).values
+
+
+@torch.no_grad()
+def evaluate(model, examples: list[dict], pad_token_id: int, device: torch.device, batch_size: int = 128) -> dict:
+    """Held-out metrics, summed over processes: step accuracy; precision, recall and F1 of the "wrong step" class;
+    solution accuracy (the first wrong step, or that there is none, found exactly)."""
+    was_training, counts = model.training, torch.zeros(6, dtype=torch.float64)
+    model.eval()
+    order = sorted(range(len(examples)), key=lambda i: len(examples[i]["input_ids"]))
+    for i in range(0, len(order), batch_size):
+        batch = pad_batch([examples[j] for j in order[i:i + batch_size]], pad_token_id)
+        labels = batch["labels"]  # [B, L]
+        pred = model(input_ids=batch["input_ids"].to(device),
+                     attention_mask=batch["attention_mask"].to(device)).logits.argmax(-1).cpu()  # [B, L] 1: correct
+        labelled = labels != -100
+        wrong, said_wrong = labelled & (labels == 0), labelled & (pred == 0)
+        solved = first_true(wrong) == first_true(said_wrong)  # [B]
+        counts += torch.tensor([(wrong & said_wrong).sum(), (~wrong & said_wrong).sum(), (wrong & ~said_wrong).sum(),
+                                (labelled & ~wrong & ~said_wrong).sum(), solved.sum(), len(labels)]).double()
+    model.train(was_training)
+    tp, fp, fn, tn, solved, rows = global_sum(counts.to(device)).tolist()
+    precision, recall = tp / max(tp + fp, 1), tp / max(tp + fn, 1)
+    return {"eval/step_accuracy": (tp + tn) / max(tp + fp + fn + tn, 1), "eval/wrong_step_precision": precision,
+            "eval/wrong_step_recall": recall, "eval/wrong_step_f1": 2 * precision * recall / max(precision + recall,
+                                                                                                 1e-12),
+            "eval/solution_accuracy": solved / max(rows, 1)}
+
+
+def best_of_n(model, tokenizer, candidates: list[list[dict]], step_separator: str, device: torch.device) -> dict:
+    """Best-of-N with the PRM as the judge: for each problem, the candidate whose lowest step score is highest.
+    How often that pick is right (every step correct), against the expected accuracy of a random pick."""
+    flat = [c for cands in candidates for c in cands]
+    scores = score_steps(model, tokenizer, [c["prompt"] for c in flat], [c["completions"] for c in flat],
+                         step_separator)
+    picked = random_pick = 0.0
+    for k, cands in enumerate(candidates):
+        worst = [min(s) for s in scores[k * len(cands):(k + 1) * len(cands)]]
+        right = [all(c["labels"]) for c in cands]
+        picked += right[worst.index(max(worst))]
+        random_pick += sum(right) / len(right)
+    totals = global_sum(torch.tensor([picked, random_pick, len(candidates)], dtype=torch.float64, device=device))
+    return {"eval/best_of_n_accuracy": (totals[0] / totals[2]).item(),
+            "eval/random_pick_accuracy": (totals[1] / totals[2]).item()}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Run plumbing: processes, run records, checkpoints (copies of ppo.py's)
+
+
+def setup_distributed() -> tuple[int, int, torch.device]:
+    """Rank, world size and device. Under torchrun, joins the process group: nccl on GPUs, gloo on CPUs."""
+    if "RANK" not in os.environ:
+        return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return torch.distributed.get_rank(), torch.distributed.get_world_size(), device
+
+
+def average_metrics(metrics: dict, device: torch.device) -> dict:
+    """The mean of each metric over all processes."""
+    values = global_sum(torch.tensor(list(metrics.values()), dtype=torch.float64, device=device))
+    return dict(zip(metrics, (values / world_size()).tolist()))
+
+
+def open_run(args, output_dir: Path, start: int, run_name: str) -> tuple[Path, Any]:
+    """Write config.json, cut metrics.jsonl back to the rows before `start` (a resumed run repeats none), and open
+    a wandb run when --track is on. Rank 0 only."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "config.json").write_text(json.dumps(asdict(args), indent=2))
+    path = output_dir / "metrics.jsonl"
+    kept = [r for r in path.read_text().splitlines() if json.loads(r)["iteration"] < start] \
+        if start > 1 and path.exists() else []
+    path.write_text("".join(r + "\n" for r in kept))
+    run = None
+    if args.track:
+        import wandb
+
+        run = wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=run_name, id=run_name,
+                         resume="allow", config=asdict(args), dir=str(output_dir), save_code=True)
+    return path, run
+
+
+def log_row(path: Path | None, run, row: dict, samples: list | None = None) -> None:
+    """Append one row to metrics.jsonl, and to wandb with a table of sample completions."""
+    if path is None:
+        return
+    with path.open("a") as f:
+        f.write(json.dumps(row) + "\n")
+    if run is not None:
+        import wandb
+
+        if samples:
+            run.log({"samples": wandb.Table(columns=["prompt", "completion", "score"], data=samples)}, commit=False)
+        run.log(row, step=row["iteration"])
+
+
+def rng_states() -> dict:
+    """This process's random number generator states."""
+    return {"python": random.getstate(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+
+
+def set_rng_states(states: dict) -> None:
+    """Restore what rng_states saved."""
+    random.setstate(states["python"])
+    torch.set_rng_state(states["torch"])
+    if states["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["cuda"])
+
+
+def save_checkpoint(folder: Path, models: dict, weights: dict, tokenizer, state: dict, keep: int) -> None:
+    """Write a checkpoint (each model in its own folder with its full_state_dict `weights`, the tokenizer beside the
+    first) into a temporary folder, then rename it into place, so a crash never leaves a half one; keep the newest
+    `keep` checkpoints (0: all). Rank 0 only."""
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    for name, model in models.items():
+        model.save_pretrained(tmp / name, state_dict=weights[name])
+    tokenizer.save_pretrained(tmp / next(iter(models)))
+    torch.save(state, tmp / "state.pt")
+    shutil.rmtree(folder, ignore_errors=True)
+    os.replace(tmp, folder)
+    for old in sorted(folder.parent.glob("iter_*[0-9]"))[:-keep] if keep > 0 else []:
+        shutil.rmtree(old)
+
+
+def find_checkpoint(resume: str, output_dir: Path) -> Path:
+    """The checkpoint folder that --resume names ('latest': the newest complete one in --output-dir)."""
+    if resume == "latest":
+        found = sorted(p for p in (output_dir / "checkpoints").glob("iter_*[0-9]") if (p / "state.pt").exists())
+        if not found:
+            fail("--resume", resume, f"no complete checkpoint in {output_dir / 'checkpoints'}; check --output-dir")
+        return found[-1]
+    if not (Path(resume) / "state.pt").exists():
+        fail("--resume", resume, "not a checkpoint folder (no state.pt); give .../checkpoints/iter_NNNNNN or 'latest'")
+    return Path(resume)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The training loop
+
+
+def main(args: Args) -> None:
+    t0 = time.time()
+    # ---- validate the configuration before anything is loaded
+    rank, world, device = setup_distributed()
+    builtin = args.model == "builtin"
+    if args.batch_size % (world * args.gradient_accumulation_steps):
+        fail("--batch-size", args.batch_size, f"must be divisible by {world} process(es) x "
+                                              f"--gradient-accumulation-steps ({args.gradient_accumulation_steps})")
+    if args.total_steps < 1:
+        fail("--total-steps", args.total_steps, "give at least 1")
+    if args.warmup_steps and not builtin:
+        fail("--warmup-steps", args.warmup_steps, "the warm start is for the built-in model; a pretrained --model "
+                                                  "needs none: leave it out")
+    warmup_steps = (1500 if args.warmup_steps is None else args.warmup_steps) if builtin else 0
+    if args.resume and args.resume != "latest" and args.output_dir is None:
+        args.output_dir = str(Path(args.resume).parent.parent)
+    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    output_dir = Path(args.output_dir or f"runs/{run_name}")
+    ckpt = find_checkpoint(args.resume, output_dir) if args.resume else None
+
+    # ---- tokenizer and model (the built-in one starts as a causal LM); the same initial weights in every process
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    if builtin:
+        tokenizer = build_tokenizer()
+        lm = build_tiny_model(tokenizer)
+        context = model_context(lm)
+    else:
+        tokenizer = load_pretrained(AutoTokenizer, args.model, "--model", args.trust_remote_code)
+        model = load_pretrained(AutoModelForTokenClassification, args.model, "--model", args.trust_remote_code,
+                                num_labels=2)
+        context = model_context(model)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
+    separator = tokenizer(args.step_separator, add_special_tokens=False).input_ids
+    if not separator or tokenizer.unk_token_id in separator:
+        fail("--step-separator", args.step_separator, f"the tokenizer cannot encode it (ids {separator}); choose a "
+                                                      "separator made of text it knows, such as '\\n'")
+    if args.max_length is not None and args.max_length > context:
+        fail("--max-length", args.max_length, f"exceeds the model's context of {context}; lower it")
+
+    # ---- data: the built-in task (its evaluation problems never trained on), or a stepwise dataset
+    candidates = []
+    if args.dataset is None:
+        train_rows = builtin_rows(random.Random(args.seed), args.num_train_rows, held_out=False)
+        eval_rng = random.Random(0)  # the same held-out rows and best-of-N candidates for every seed
+        eval_rows = builtin_rows(eval_rng, args.num_eval_rows, held_out=True)
+        candidates = [[multistep_row(eval_rng, r["prompt"]) for _ in range(args.best_of_n)] for r in eval_rows[:250]] \
+            if args.best_of_n else []
+    else:
+        train_rows = load_stepwise(args.dataset, args.dataset_split)
+        if args.eval_split:
+            eval_rows = load_stepwise(args.dataset, args.eval_split)[:args.num_eval_rows]
+        elif len(train_rows) <= args.num_eval_rows:
+            fail("--num-eval-rows", args.num_eval_rows, f"holding out that many of the {len(train_rows)} rows leaves "
+                                                        "none to train on; lower it or give --eval-split")
+        else:
+            train_rows, eval_rows = train_rows[:-args.num_eval_rows], train_rows[-args.num_eval_rows:]
+    tokenize = lambda row, last_only=False: tokenize_example(  # noqa: E731
+        tokenizer, **row, step_separator=args.step_separator, max_length=args.max_length or context,
+        max_completion_length=args.max_completion_length, train_on_last_step_only=last_only)
+    labelled = lambda examples: [e for e in examples if max(e["labels"]) >= 0]  # noqa: E731 (truncation can cut all)
+    train = labelled([tokenize(r, args.train_on_last_step_only) for r in train_rows])
+    evals = labelled([tokenize(r) for r in eval_rows])
+    if len(train) < args.batch_size or len(evals) < world:
+        fail("--batch-size", args.batch_size, f"{len(train)} training and {len(evals)} held-out rows keep a label "
+                                              "after truncation; give more data, or raise --max-length")
+
+    # ---- the token classifier: the built-in LM after its warm start under a fresh 2-label head, or --model
+    lr = args.learning_rate or (1e-3 if builtin else 1e-5)
+    warmup_loss = None
+    if builtin:
+        if warmup_steps and ckpt is None:  # every process runs the same warm start and gets the same weights
+            solutions = [tokenize(r) for r in train_rows if all(r["labels"])]
+            if not solutions:
+                fail("--warmup-steps", warmup_steps, "no training row has every step correct; give 0")
+            warmup_loss = warm_start(lm.to(device), solutions, warmup_steps, lr, args.batch_size,
+                                     tokenizer.pad_token_id, args.seed, progress=rank == 0)
+        config = copy.deepcopy(lm.config)
+        config.num_labels = 2
+        model = AutoModelForTokenClassification.from_config(config)
+        model.load_state_dict(lm.state_dict(), strict=False)  # all but the head (score.*)
+    model.config.id2label, model.config.label2id = {0: "wrong", 1: "correct"}, {"wrong": 0, "correct": 1}
+    model.config.pad_token_id = tokenizer.pad_token_id
+    if ckpt is not None:
+        model.load_state_dict(AutoModelForTokenClassification.from_pretrained(ckpt / "model").state_dict())
+    model.to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+
+    # ---- seeding per process (dropout differs between ranks), or the saved state of a resumed run
+    random.seed(args.seed + rank)
+    torch.manual_seed(args.seed + rank)
+    start, elapsed, data_state = 1, time.time() - t0, {"epoch": 0, "batches": []}
+    if ckpt is not None:
+        state = torch.load(ckpt / "state.pt", weights_only=False)
+        optimizer.load_state_dict(state["optimizer"])
+        set_rng_states(state["rng"][rank % len(state["rng"])])
+        data_state, run_name = state["data_state"], state["run_name"]
+        start, elapsed = state["iteration"] + 1, state["elapsed"]
+    metrics_path, run = open_run(args, output_dir, start, run_name) if rank == 0 else (None, None)
+    lengths, local = [len(e["input_ids"]) for e in train], args.batch_size // world
+
+    def evaluation() -> dict:
+        metrics = evaluate(model, evals[rank::world], tokenizer.pad_token_id, device)
+        if candidates:
+            metrics.update(best_of_n(model, tokenizer, candidates[rank::world], args.step_separator, device))
+        return metrics
+
+    t0 = time.time() - elapsed
+    if start == 1:
+        warmup = {"warmup/loss": warmup_loss} if warmup_loss is not None else {}
+        log_row(metrics_path, run, {"iteration": 0, "elapsed_s": round(elapsed, 3), **warmup, **evaluation()})
+    progress = tqdm(range(start, args.total_steps + 1), initial=start - 1, total=args.total_steps, desc="prm",
+                    disable=rank != 0)
+    for iteration in progress:
+        if args.anneal_lr:
+            optimizer.param_groups[0]["lr"] = lr * (1 - (iteration - 1) / args.total_steps)
+        rows = next_batch(lengths, data_state, args.batch_size, args.seed)[rank * local:(rank + 1) * local]
+        try:
+            metrics = prm_step(model, optimizer, [train[i] for i in rows], pad_token_id=tokenizer.pad_token_id,
+                               gradient_accumulation_steps=args.gradient_accumulation_steps,
+                               max_grad_norm=args.max_grad_norm, skip_nonfinite=args.skip_nonfinite)
+        except FloatingPointError as e:
+            fail("--skip-nonfinite", False, f"{e} at step {iteration}: the run stops here, its last good checkpoint "
+                 "kept; lower --learning-rate, check the data, or pass --skip-nonfinite")
+        row = {"iteration": iteration, "elapsed_s": round(time.time() - t0, 3), "lr": optimizer.param_groups[0]["lr"],
+               **average_metrics(metrics, device)}
+        if iteration % args.eval_every == 0 or iteration == args.total_steps:
+            row.update(evaluation())
+        log_row(metrics_path, run, row)
+        progress.set_postfix(loss=f"{row['train/loss']:.3f}", f1=row.get("eval/wrong_step_f1", ""))
+        if args.save_every and iteration % args.save_every == 0:
+            rngs = [rng_states()] * world
+            if world > 1:
+                torch.distributed.all_gather_object(rngs, rng_states())
+            state = {"iteration": iteration, "elapsed": time.time() - t0, "run_name": run_name,
+                     "optimizer": optimizer.state_dict(), "rng": rngs, "data_state": data_state}
+            if rank == 0:
+                save_checkpoint(output_dir / "checkpoints" / f"iter_{iteration:06d}", {"model": model},
+                                {"model": model.state_dict()}, tokenizer, state, args.keep_checkpoints)
+
+    if rank == 0:
+        model.save_pretrained(output_dir / "model")
+        tokenizer.save_pretrained(output_dir / "model")
+        final = json.loads(metrics_path.read_text().splitlines()[-1])
+        bon = f", best-of-{args.best_of_n} {final['eval/best_of_n_accuracy']:.3f} vs random pick " \
+              f"{final['eval/random_pick_accuracy']:.3f}" if candidates else ""
+        print(f"final held-out step accuracy {final['eval/step_accuracy']:.3f}, wrong-step F1 "
+              f"{final['eval/wrong_step_f1']:.3f}, solution accuracy {final['eval/solution_accuracy']:.3f}{bon}, "
+              f"after {final['iteration']} steps in {final['elapsed_s']:.0f}s; model in {output_dir / 'model'}")
+    if run is not None:
+        run.finish()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
