@@ -47,7 +47,7 @@ LOGGED = {
              "loss/policy_avg", "loss/kl_avg", "val/ratio", "val/ratio_var", "val/num_eos_tokens",
              "val/response_length", "rloo/baseline_avg", "rloo/advantage_std", "rloo/frac_equal_groups",
              "loss/nonfinite_skipped"],
-    "prm": ["train/loss", "train/step_accuracy", "train/pad_fraction", "train/nonfinite_skipped"],
+    "prm": ["train/loss", "train/step_accuracy", "train/pad_fraction", "train/tokens", "train/nonfinite_skipped"],
 }
 EVAL_METRICS = ["task/accuracy", "eval/scores"]
 
@@ -416,7 +416,8 @@ def main(args: Args) -> None:
             k = cfg.hp.rloo_k if phase == "rloo" else 1
             prompts = ppo.draw_rows(tasks[phase], data[phase], cfg.turn.batch_size // k, args.seed)
             rows = [r for r in prompts[rank * local // k:(rank + 1) * local // k] for _ in range(k)]
-            out = ppo.rollout(policy, tokenizer, rows, samplers[phase], args.gen.stop_strings, tasks[phase])
+            with ppo.autocast(cfg.hp.dtype, device):
+                out = ppo.rollout(policy, tokenizer, rows, samplers[phase], args.gen.stop_strings, tasks[phase])
             if args.sft.on_failures:
                 failed = {i // k: rows[i] for i in range(len(rows))
                           if out["scores"][i] < tasks[phase]["args"].success_threshold}

@@ -46,6 +46,7 @@ from transformers import (
     PreTrainedTokenizerFast,
     StoppingCriteriaList,
 )
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 
 @dataclass
@@ -84,6 +85,9 @@ class PPOHParams:
     """rows per chunk in the no-grad rollout forward passes"""
     skip_nonfinite: bool = False
     """skip (and count) a mini-batch whose loss or gradient norm is NaN/inf, instead of stopping the run"""
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    """compute dtype of the forward passes: bf16 runs them under autocast (weights, gradients and optimizer state
+    stay fp32)"""
 
 
 @dataclass
@@ -92,6 +96,8 @@ class GenArgs:
 
     max_new_tokens: int | None = None
     """most tokens per response (default: 4 for the built-in task, 64 otherwise)"""
+    min_new_tokens: int = 0
+    """fewest tokens per response: EOS cannot end it sooner"""
     top_k: int = 0
     """sample among the k most likely tokens (0: off)"""
     top_p: float = 1.0
@@ -413,8 +419,8 @@ def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
 
 def generation_configs(gen: GenArgs, tokenizer, temperature: float) -> tuple[GenerationConfig, GenerationConfig]:
     """The sampling configuration for rollouts and the greedy one for evaluation."""
-    common = dict(max_new_tokens=gen.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                  eos_token_id=tokenizer.eos_token_id)
+    common = dict(max_new_tokens=gen.max_new_tokens, min_new_tokens=gen.min_new_tokens or None,
+                  pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     sample = GenerationConfig(do_sample=True, temperature=temperature, top_k=gen.top_k, top_p=gen.top_p,
                               min_p=gen.min_p or None, repetition_penalty=gen.repetition_penalty, **common)
     return sample, GenerationConfig(do_sample=False, **common)
@@ -436,18 +442,112 @@ def cut_responses(tokenizer, responses: torch.Tensor, stop_strings: list[str]) -
     return torch.tensor(rows, dtype=torch.long), torch.tensor(lengths), torch.tensor(ended)
 
 
+def next_token(logits: torch.Tensor, seen: torch.Tensor, gen: GenerationConfig, step: int) -> torch.Tensor:
+    """Pick the next token [B] from logits [B, V] as `generate` does: repetition penalty over the ids seen [B, L], no
+    EOS before min_new_tokens, then greedy, or temperature, top-k, top-p and min-p before sampling."""
+    logits = logits.float()
+    if gen.repetition_penalty not in (None, 1.0):
+        score = logits.gather(1, seen)
+        logits.scatter_(1, seen, torch.where(score < 0, score * gen.repetition_penalty, score / gen.repetition_penalty))
+    if step < (gen.min_new_tokens or 0):
+        logits[:, gen.eos_token_id] = -float("inf")
+    if not gen.do_sample:
+        return logits.argmax(-1)
+    logits = logits / (gen.temperature or 1.0)
+    if gen.top_k:
+        kth = logits.topk(min(gen.top_k, logits.shape[-1])).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, -float("inf"))
+    if gen.top_p is not None and gen.top_p < 1.0:
+        sorted_logits, order = logits.sort(-1)  # ascending: drop the low tail holding 1 - top_p of the mass
+        drop = sorted_logits.softmax(-1).cumsum(-1) <= 1 - gen.top_p
+        drop[:, -1] = False
+        logits = logits.masked_fill(drop.scatter(1, order, drop), -float("inf"))
+    if gen.min_p:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < gen.min_p * probs.max(-1, keepdim=True).values, -float("inf"))
+    cdf = logits.softmax(-1).cumsum(-1)  # inverse-CDF sampling: the distribution of torch.multinomial, far cheaper
+    u = torch.rand(cdf.shape[0], 1, device=cdf.device) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u)[:, 0].clamp(max=cdf.shape[1] - 1)
+
+
+def lean_decode_supported(model) -> bool:
+    """The plain-PyTorch decode loop below handles unsharded Llama, Mistral and Qwen2 models with default RoPE and
+    no sliding window; any other model goes through `generate`."""
+    config = model.config
+    rope = getattr(config, "rope_parameters", None) or {}
+    return (config.model_type in ("llama", "mistral", "qwen2") and rope.get("rope_type", "default") == "default"
+            and config.hidden_act == "silu" and not (getattr(config, "use_sliding_window", True)
+                                                     and getattr(config, "sliding_window", None))
+            and not any(hasattr(p, "placements") for p in model.parameters()))
+
+
+@torch.no_grad()
+def lean_decode(model, queries: torch.Tensor, attention_mask: torch.Tensor, gen: GenerationConfig,
+                stop: Callable | None = None) -> torch.Tensor:
+    """Responses [B, T] to left-padded queries [B, Lq], sampled as `generate` samples but with less work per token:
+    one forward of the model over the prompts fills a key/value cache preallocated for all the new tokens, then each
+    new token goes through the model's own layers (norms, projections, RoPE, scaled_dot_product_attention, MLP)
+    with nothing else around them. Rows end at EOS (then pad) or when stop(new_ids [B, t]) says so."""
+    B, Lq = queries.shape
+    inner, T = model.model, gen.max_new_tokens
+    prefill = model(input_ids=queries, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask),
+                    use_cache=True, logits_to_keep=1)
+    cache = [(layer.keys.new_zeros(*layer.keys.shape[:2], Lq + T, layer.keys.shape[-1]),
+              layer.values.new_zeros(*layer.values.shape[:2], Lq + T, layer.values.shape[-1]))
+             for layer in prefill.cache.layers]
+    for (keys, values), layer in zip(cache, prefill.cache.layers):
+        keys[:, :, :Lq], values[:, :, :Lq] = layer.keys, layer.values
+    fused = [(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),  # one matmul for q, k and v
+              torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if a.q_proj.bias is not None else None,
+              torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]))  # one for the MLP's gate and up
+             for layer in inner.layers for a in [layer.self_attn]]
+    visible = torch.cat([attention_mask.bool(), attention_mask.new_ones(B, T).bool()], 1)  # [B, Lq + T]
+    start = attention_mask.sum(1)  # [B] position of the first new token
+    out = queries.new_full((B, T), gen.pad_token_id)
+    done = torch.zeros(B, dtype=torch.bool, device=queries.device)
+    logits = prefill.logits[:, -1]
+    for t in range(T):
+        token = next_token(logits, torch.cat([queries, out[:, :t]], 1), gen, t).masked_fill(done, gen.pad_token_id)
+        out[:, t] = token
+        done |= token == gen.eos_token_id
+        if stop is not None:
+            done |= stop(out[:, :t + 1])
+        if done.all() or t == T - 1:
+            return out[:, :t + 1]
+        h = inner.embed_tokens(token[:, None])  # [B, 1, H]
+        cos, sin = inner.rotary_emb(h, (start + t)[:, None])
+        for layer, (keys, values), (w_qkv, b_qkv, w_gate_up) in zip(inner.layers, cache, fused):
+            attn, x = layer.self_attn, layer.input_layernorm(h)
+            qkv = torch.nn.functional.linear(x, w_qkv, b_qkv).view(B, 1, -1, attn.head_dim).transpose(1, 2)
+            q, k, v = qkv.split([qkv.shape[1] - 2 * keys.shape[1], keys.shape[1], keys.shape[1]], 1)  # [B, heads, 1, D]
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            keys[:, :, Lq + t], values[:, :, Lq + t] = k[:, :, 0], v[:, :, 0]
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q, keys[:, :, :Lq + t + 1], values[:, :, :Lq + t + 1], attn_mask=visible[:, None, None, :Lq + t + 1],
+                scale=attn.scaling, enable_gqa=q.shape[1] != k.shape[1])
+            h = h + attn.o_proj(o.transpose(1, 2).reshape(B, 1, -1))
+            gate, up = torch.nn.functional.linear(layer.post_attention_layernorm(h), w_gate_up).chunk(2, -1)
+            h = h + layer.mlp.down_proj(torch.nn.functional.silu(gate) * up)
+        logits = model.lm_head(inner.norm(h))[:, -1]
+    return out
+
+
 @torch.no_grad()
 def generate(policy, tokenizer, queries: torch.Tensor, gen: GenerationConfig, stop_strings: list[str]) -> tuple:
-    """Sample (or greedily decode) responses to left-padded queries; returns cut_responses' triple. All processes
-    keep stepping until every one is done (synced_gpus), which sharded models need."""
+    """Sample (or greedily decode) responses to left-padded queries; returns cut_responses' triple. Llama-family
+    models take lean_decode; others `generate`, where all processes keep stepping until every one is done
+    (synced_gpus), which sharded models need."""
     attention_mask = ((queries != tokenizer.pad_token_id).cumsum(1) > 0).long()  # left padding only
     Lq = queries.shape[1]
-    stop = lambda ids, scores, **kw: torch.tensor([any(s in t for s in stop_strings)  # noqa: E731
-                                                   for t in tokenizer.batch_decode(ids[:, Lq:])], device=ids.device)
-    out = policy.generate(input_ids=queries, attention_mask=attention_mask, generation_config=gen,
-                          stopping_criteria=StoppingCriteriaList([stop]) if stop_strings else None,
-                          synced_gpus=torch.distributed.is_initialized())
-    return cut_responses(tokenizer, out[:, Lq:].cpu(), stop_strings)
+    stop = lambda new_ids: torch.tensor([any(s in t for s in stop_strings)  # noqa: E731
+                                         for t in tokenizer.batch_decode(new_ids)], device=new_ids.device)
+    if lean_decode_supported(policy):
+        out = lean_decode(policy, queries, attention_mask, gen, stop if stop_strings else None)
+    else:
+        criteria = StoppingCriteriaList([lambda ids, scores, **kw: stop(ids[:, Lq:])]) if stop_strings else None
+        out = policy.generate(input_ids=queries, attention_mask=attention_mask, generation_config=gen,
+                              stopping_criteria=criteria, synced_gpus=torch.distributed.is_initialized())[:, Lq:]
+    return cut_responses(tokenizer, out.cpu(), stop_strings)
 
 
 def call_reward_fns(reward_fns: list, weights: list[float], prompts: list, completions: list,
@@ -522,6 +622,11 @@ def response_valid_mask(responses: torch.Tensor, pad_token_id: int, eos_token_id
     if masks is not None:
         length = torch.minimum(length, T - (masks.flip(1) == 0).int().cumprod(1).sum(1))
     return torch.arange(T, device=responses.device)[None] < length[:, None]
+
+
+def autocast(dtype: str, device: torch.device) -> torch.autocast:
+    """A context that runs forward passes in bf16 when dtype is 'bf16' (backward passes stay outside it)."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16")
 
 
 def world_size() -> int:
@@ -603,15 +708,16 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float) -
 
 
 def response_logprobs(policy, input_ids, attention_mask, responses: torch.Tensor, temperature: float,
-                      with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Logprobs of the response tokens [B, T] (and entropy [B, T]) from logits at response positions only; the
-    logprob is gathered minus logsumexp, so no full log-softmax is kept."""
+                      with_entropy: bool = False, entropy_grad: bool = False) -> tuple:
+    """Logprobs of the response tokens [B, T] (and entropy [B, T], differentiable only if entropy_grad) from logits
+    at response positions only; the logprob is gathered minus logsumexp, so no full log-softmax is kept."""
     T = responses.shape[1]
     logits = policy(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask),
                     logits_to_keep=T + 1).logits[:, :-1].float() / temperature  # [B, T, V]
     lse = logits.logsumexp(-1)
     logprobs = logits.gather(-1, responses.unsqueeze(-1)).squeeze(-1) - lse
-    entropy = lse - (logits.softmax(-1) * logits).sum(-1) if with_entropy else None
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        entropy = lse - (logits.softmax(-1) * logits).sum(-1) if with_entropy else None
     return logprobs, entropy
 
 
@@ -650,15 +756,24 @@ def ppo_step(policy, value_model, ref_policy, optimizer, queries: torch.Tensor, 
     input_ids = torch.cat([queries, responses], 1)  # [B, Lq + T]
     attention_mask = torch.cat([query_mask, valid], 1).long()
 
-    # 2. Rollout forward passes without gradients, in chunks: old logprobs, reference logprobs, old values.
-    with torch.no_grad():
+    # 2. Rollout forward passes: reference logprobs without gradients, in chunks; the policy's old logprobs and
+    # the old values the same way, unless the update is one mini-batch without accumulation: then the first
+    # epoch's forward pass (with gradients) is the rollout's, and it is kept rather than done twice.
+    amp = lambda: autocast(hp.dtype, device)  # noqa: E731
+    fused = hp.num_mini_batches == 1 and hp.gradient_accumulation_steps == 1
+    if fused:
+        with amp():
+            first = (*response_logprobs(policy, input_ids, attention_mask, responses, hp.temperature, True,
+                                        hp.ent_coef > 0), response_values(value_model, input_ids, attention_mask, T))
+    with torch.no_grad(), amp():
         chunks = [slice(i, i + hp.forward_batch_size) for i in range(0, B, hp.forward_batch_size)]
-        old_logprobs = torch.cat([response_logprobs(policy, input_ids[c], attention_mask[c], responses[c],
-                                                    hp.temperature)[0] for c in chunks])
-        ref_logprobs = torch.cat([response_logprobs(ref_policy, input_ids[c], attention_mask[c], responses[c],
-                                                    hp.temperature)[0] for c in chunks])
-        old_values = torch.cat([response_values(value_model, input_ids[c], attention_mask[c], T) for c in chunks])
-        old_values = old_values * valid
+        forward = lambda fn, model: torch.cat([fn(model, input_ids[c], attention_mask[c], responses[c])  # noqa: E731
+                                               for c in chunks])
+        ref_logprobs = forward(lambda *a: response_logprobs(*a, hp.temperature)[0], ref_policy)
+        old_logprobs = first[0].detach() if fused else forward(lambda *a: response_logprobs(*a, hp.temperature)[0],
+                                                              policy)
+        old_values = (first[2].detach() if fused else forward(lambda m, x, a, r: response_values(m, x, a, T),
+                                                              value_model)) * valid
 
         # 3. Per-token rewards: -kl_coef * KL on trained tokens, plus the score on the last token of the response.
         kl = kl_penalty(old_logprobs, ref_logprobs, hp.kl_estimator) * train  # [B, T]
@@ -683,7 +798,7 @@ def ppo_step(policy, value_model, ref_policy, optimizer, queries: torch.Tensor, 
     params = [p for g in optimizer.param_groups for p in g["params"]]
     stats = {k: [] for k in ("pg_loss", "vf_loss", "approxkl", "clipfrac", "vf_clipfrac", "entropy", "ratio")}
     mini, skipped = B // hp.num_mini_batches, 0
-    for _ in range(hp.num_ppo_epochs):
+    for epoch in range(hp.num_ppo_epochs):
         order = torch.randperm(B, device=device)
         for start in range(0, B, mini):
             mb = order[start:start + mini]
@@ -692,9 +807,13 @@ def ppo_step(policy, value_model, ref_policy, optimizer, queries: torch.Tensor, 
             bad = torch.zeros((), device=device)
             for m in range(0, mini, micro):
                 i = mb[m:m + micro]
-                new_logprobs, entropy = response_logprobs(policy, input_ids[i], attention_mask[i], responses[i],
-                                                          hp.temperature, with_entropy=True)
-                new_values = response_values(value_model, input_ids[i], attention_mask[i], T)
+                if fused and epoch == 0:
+                    new_logprobs, entropy, new_values = (x[i] for x in first)
+                else:
+                    with amp():
+                        new_logprobs, entropy = response_logprobs(policy, input_ids[i], attention_mask[i], responses[i],
+                                                                  hp.temperature, True, hp.ent_coef > 0)
+                        new_values = response_values(value_model, input_ids[i], attention_mask[i], T)
                 v_clipped = old_values[i] + (new_values - old_values[i]).clamp(-hp.cliprange_value, hp.cliprange_value)
                 vf_losses = torch.max((new_values - returns[i]) ** 2, (v_clipped - returns[i]) ** 2)
                 vf_loss = 0.5 * (vf_losses * valid[i]).sum() / n_valid
@@ -703,7 +822,9 @@ def ppo_step(policy, value_model, ref_policy, optimizer, queries: torch.Tensor, 
                 pg_losses = torch.max(-advantages[i] * ratio,
                                       -advantages[i] * ratio.clamp(1 - hp.cliprange, 1 + hp.cliprange))
                 pg_loss = (pg_losses * train[i]).sum() / n_train
-                loss = pg_loss + hp.vf_coef * vf_loss - hp.ent_coef * (entropy * train[i]).sum() / n_train
+                loss = pg_loss + hp.vf_coef * vf_loss
+                if hp.ent_coef > 0:
+                    loss = loss - hp.ent_coef * (entropy * train[i]).sum() / n_train
                 loss.backward()  # even when not finite: every process runs the same collectives
                 if not torch.isfinite(loss):
                     bad += 1
@@ -968,7 +1089,8 @@ def main(args: Args) -> None:
     sample, greedy = generation_configs(gen, tokenizer, hp.temperature)
 
     if start == 1:
-        metrics, samples = evaluate(policy, tokenizer, task, greedy, gen.stop_strings, rank, world)
+        with autocast(hp.dtype, device):
+            metrics, samples = evaluate(policy, tokenizer, task, greedy, gen.stop_strings, rank, world)
         log_row(metrics_path, run, {"iteration": 0, "episode": 0, "elapsed_s": 0.0, **metrics}, samples)
     progress = tqdm(range(start, num_iterations + 1), initial=start - 1, total=num_iterations, desc="ppo",
                     disable=rank != 0)
@@ -977,7 +1099,8 @@ def main(args: Args) -> None:
         if args.anneal_lr:
             optimizer.param_groups[0]["lr"] = lr * (1 - (iteration - 1) / num_iterations)
         rows = draw_rows(task, prompt_state, args.batch_size, args.seed)[rank * local_batch:(rank + 1) * local_batch]
-        out = rollout(policy, tokenizer, rows, sample, gen.stop_strings, task)
+        with autocast(hp.dtype, device):
+            out = rollout(policy, tokenizer, rows, sample, gen.stop_strings, task)
         try:
             metrics = ppo_step(policy, value_model, ref_policy, optimizer, out["queries"], out["responses"],
                                out["scores"], out["masks"], hp=hp, pad_token_id=tokenizer.pad_token_id,
@@ -990,7 +1113,8 @@ def main(args: Args) -> None:
                "lr": optimizer.param_groups[0]["lr"], **average_metrics(metrics, device)}
         samples = None
         if iteration % args.eval_every == 0 or iteration == num_iterations:
-            eval_metrics, samples = evaluate(policy, tokenizer, task, greedy, gen.stop_strings, rank, world)
+            with autocast(hp.dtype, device):
+                eval_metrics, samples = evaluate(policy, tokenizer, task, greedy, gen.stop_strings, rank, world)
             row.update(eval_metrics)
         log_row(metrics_path, run, row, samples)
         progress.set_postfix(score=f"{row['objective/scores']:.3f}", kl=f"{row['objective/kl']:.3f}",

@@ -29,7 +29,7 @@ import time
 import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, Literal, NoReturn
 
 import datasets
 import torch
@@ -104,6 +104,9 @@ class Args:
     """gradient-norm clip"""
     skip_nonfinite: bool = False
     """skip (and count) a step whose loss or gradient norm is NaN/inf, instead of stopping the run"""
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    """compute dtype of the forward passes: bf16 runs them under autocast (weights, gradients and optimizer state
+    stay fp32)"""
     eval_every: int = 250
     """evaluate on the held-out rows every this many steps (and at the start and the end)"""
     save_every: int = 0
@@ -336,6 +339,11 @@ def global_sum(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def autocast(dtype: str, device: torch.device) -> torch.autocast:
+    """A context that runs forward passes in bf16 when dtype is 'bf16' (backward passes stay outside it)."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16")
+
+
 def sync_gradients(params: list[torch.nn.Parameter]) -> None:
     """Average gradients over processes, what DistributedDataParallel does after backward (left to FSDP when the
     parameters are sharded DTensors, whose gradients it has already reduced)."""
@@ -367,7 +375,7 @@ def step_or_skip(optimizer, params: list, nonfinite: bool, max_grad_norm: float,
 
 
 def prm_step(model, optimizer, batch: list[dict], *, pad_token_id: int, gradient_accumulation_steps: int = 1,
-             max_grad_norm: float = 1.0, skip_nonfinite: bool = False) -> dict[str, float]:
+             max_grad_norm: float = 1.0, skip_nonfinite: bool = False, dtype: str = "fp32") -> dict[str, float]:
     """One update of a PRM on tokenized rows (tokenize_example's output, best sorted by length).
 
     The loss is the cross-entropy summed over labelled tokens and divided by the batch's labelled-token count over
@@ -383,7 +391,8 @@ def prm_step(model, optimizer, batch: list[dict], *, pad_token_id: int, gradient
     total_loss = correct = tokens = real_tokens = bad = 0.0
     for start in range(0, len(batch), micro):
         mb = {k: v.to(device) for k, v in pad_batch(batch[start:start + micro], pad_token_id).items()}
-        logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits.float()  # [b, L, 2]
+        with autocast(dtype, device):
+            logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits.float()  # [b, L, 2]
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), mb["labels"].flatten(), reduction="sum")
         (loss / n_labelled).backward()  # even when not finite: every process runs the same collectives
         labelled = mb["labels"] != -100  # the positions cross_entropy counts (it ignores -100)
@@ -394,7 +403,8 @@ def prm_step(model, optimizer, batch: list[dict], *, pad_token_id: int, gradient
     taken = step_or_skip(optimizer, params, global_sum(torch.tensor(bad, device=device)) > 0, max_grad_norm,
                          skip_nonfinite)
     return {"train/loss": total_loss / max(labelled_here, 1), "train/step_accuracy": correct / max(labelled_here, 1),
-            "train/pad_fraction": 1 - real_tokens / tokens, "train/nonfinite_skipped": float(not taken)}
+            "train/pad_fraction": 1 - real_tokens / tokens, "train/tokens": float(real_tokens),
+            "train/nonfinite_skipped": float(not taken)}
 
 
 @torch.no_grad()
@@ -668,9 +678,10 @@ def main(args: Args) -> None:
     lengths, local = [len(e["input_ids"]) for e in train], args.batch_size // world
 
     def evaluation() -> dict:
-        metrics = evaluate(model, evals[rank::world], tokenizer.pad_token_id, device)
-        if candidates:
-            metrics.update(best_of_n(model, tokenizer, candidates[rank::world], args.step_separator, device))
+        with autocast(args.dtype, device):
+            metrics = evaluate(model, evals[rank::world], tokenizer.pad_token_id, device)
+            if candidates:
+                metrics.update(best_of_n(model, tokenizer, candidates[rank::world], args.step_separator, device))
         return metrics
 
     t0 = time.time() - elapsed
@@ -686,7 +697,7 @@ def main(args: Args) -> None:
         try:
             metrics = prm_step(model, optimizer, [train[i] for i in rows], pad_token_id=tokenizer.pad_token_id,
                                gradient_accumulation_steps=args.gradient_accumulation_steps,
-                               max_grad_norm=args.max_grad_norm, skip_nonfinite=args.skip_nonfinite)
+                               max_grad_norm=args.max_grad_norm, skip_nonfinite=args.skip_nonfinite, dtype=args.dtype)
         except FloatingPointError as e:
             fail("--skip-nonfinite", False, f"{e} at step {iteration}: the run stops here, its last good checkpoint "
                  "kept; lower --learning-rate, check the data, or pass --skip-nonfinite")

@@ -203,3 +203,23 @@ def test_ppo_step_rejects_batch_that_does_not_split():
     with pytest.raises(ValueError, match="does not split"):
         ppo.ppo_step(policy, value, ref, optimizer, queries, responses, torch.ones(6),
                      hp=ppo.PPOHParams(num_mini_batches=4), pad_token_id=tokenizer.pad_token_id)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_reused_first_forward_equals_accumulated_micro_batches(dtype):
+    """With one mini-batch and no accumulation, the first epoch reuses the rollout's forward pass; the same update
+    split into two accumulated micro-batches (no reuse) must give the same parameters."""
+    results = []
+    for accumulation in (1, 2):
+        tokenizer, policy, ref, value, _ = make_models()
+        optimizer = torch.optim.SGD([*policy.parameters(), *value.parameters()], lr=0.1)  # the same gradients
+        queries, responses = batch(tokenizer)
+        torch.manual_seed(1)
+        hp = ppo.PPOHParams(num_ppo_epochs=2, num_mini_batches=1, gradient_accumulation_steps=accumulation,
+                            dtype=dtype)
+        metrics = ppo.ppo_step(policy, value, ref, optimizer, queries, responses, torch.linspace(-1, 1, 8), hp=hp,
+                               pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        results.append(([p.detach().clone() for p in [*policy.parameters(), *value.parameters()]], metrics))
+    for a, b in zip(results[0][0], results[1][0]):
+        torch.testing.assert_close(a, b, atol=1e-5 if dtype == "fp32" else 1e-3, rtol=0)
+    assert results[0][1]["objective/kl"] == pytest.approx(results[1][1]["objective/kl"], abs=1e-5)

@@ -132,3 +132,20 @@ def test_rloo_step_rejects_mixed_groups():
     with pytest.raises(ValueError, match="whole groups"):
         rloo.rloo_step(policy, ref, optimizer, queries[:6], responses[:6], torch.ones(6),
                        hp=rloo.RLOOHParams(), pad_token_id=tokenizer.pad_token_id)
+
+
+def test_reused_first_forward_equals_accumulated_micro_batches():
+    """On-policy in one batch, rloo_step reuses the training forward for the KL reward; the same update split into two
+    accumulated micro-batches (old logprobs from a separate pass) must give the same parameters."""
+    results = []
+    for accumulation in (1, 2):
+        tokenizer, policy, ref, _ = make_models()
+        optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)
+        queries, responses = batch(tokenizer)
+        hp = rloo.RLOOHParams(gradient_accumulation_steps=accumulation, kl_coef=0.2)
+        metrics = rloo.rloo_step(policy, ref, optimizer, queries, responses, torch.linspace(-1, 1, 16), hp=hp,
+                                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        results.append(([p.detach().clone() for p in policy.parameters()], metrics))
+    for a, b in zip(results[0][0], results[1][0]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    assert results[0][1]["objective/rlhf_reward"] == pytest.approx(results[1][1]["objective/rlhf_reward"], abs=1e-5)

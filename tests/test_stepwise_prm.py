@@ -183,7 +183,8 @@ def test_prm_step_changes_parameters_and_returns_finite_metrics():
     before = [p.detach().clone() for p in model.parameters()]
     metrics = prm.prm_step(model, optimizer, examples(tokenizer), pad_token_id=tokenizer.pad_token_id,
                            gradient_accumulation_steps=3)
-    assert set(metrics) == {"train/loss", "train/step_accuracy", "train/pad_fraction", "train/nonfinite_skipped"}
+    assert set(metrics) == {"train/loss", "train/step_accuracy", "train/pad_fraction", "train/tokens",
+                            "train/nonfinite_skipped"}
     assert all(math.isfinite(v) for v in metrics.values()), metrics
     assert 0 <= metrics["train/step_accuracy"] <= 1 and 0 <= metrics["train/pad_fraction"] < 1
     assert metrics["train/loss"] == pytest.approx(math.log(2), abs=0.3)  # a fresh head is close to a coin toss

@@ -1,0 +1,100 @@
+"""TRL's side of benchmarks/vs_trl.py. Runs inside the TRL virtual environment (TRL 1.12.0 is never a dependency of
+this project): trains TRL's PPOTrainer, RLOOTrainer or PRMTrainer on the shared artifacts with the benchmark's
+settings and prints one JSON line: per-iteration seconds, peak resident memory and, for the PRM, non-pad tokens.
+
+    benchmarks/.trl-venv/bin/python benchmarks/trl_side.py ppo|rloo|prm ITERATIONS ARTIFACTS [--bf16] [--task addition]
+"""
+
+import gc
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "disabled")
+
+import torch  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from transformers import (  # noqa: E402
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+    AutoTokenizer,
+    TrainerCallback,
+)
+
+
+class Timer(TrainerCallback):
+    """Seconds between optimizer updates (TRL calls on_step_end once per update)."""
+
+    def __init__(self):
+        self.stamps = [time.perf_counter()]
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.stamps.append(time.perf_counter())
+
+
+def common(out: str, iterations: int, bf16: bool) -> dict:
+    return dict(output_dir=out, report_to=[], logging_steps=10**6, save_strategy="no", bf16=bf16, use_cpu=True,
+                seed=1, dataloader_num_workers=0, disable_tqdm=True)
+
+
+def main() -> None:
+    algo, iterations, art = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
+    bf16 = "--bf16" in sys.argv
+    out = f"/tmp/trl_{algo}"
+    timer = Timer()
+    tokenizer = AutoTokenizer.from_pretrained(art / "policy")
+    tokenizer.padding_side = "left"
+    prompts = [json.loads(line)["prompt"] for line in (art / "prompts.jsonl").read_text().splitlines()]
+    extra = {}
+    if algo == "ppo":
+        from trl.experimental.ppo import PPOConfig, PPOTrainer
+
+        ds = Dataset.from_dict({"input_ids": [tokenizer(p).input_ids for p in prompts]})
+        config = PPOConfig(**common(out, iterations, bf16), per_device_train_batch_size=32,
+                           gradient_accumulation_steps=1, num_mini_batches=1, num_ppo_epochs=4,
+                           local_rollout_forward_batch_size=32, response_length=32, temperature=1.0,
+                           total_episodes=32 * iterations, learning_rate=3e-6,
+                           kl_coef=0.05, missing_eos_penalty=None, stop_token=None, num_sample_generations=0)
+        trainer = PPOTrainer(args=config, processing_class=tokenizer,
+                             model=AutoModelForCausalLM.from_pretrained(art / "policy"),
+                             ref_model=AutoModelForCausalLM.from_pretrained(art / "policy"),
+                             reward_model=AutoModelForSequenceClassification.from_pretrained(art / "reward"),
+                             value_model=AutoModelForSequenceClassification.from_pretrained(art / "reward"),
+                             train_dataset=ds, callbacks=[timer])
+    elif algo == "rloo":
+        from trl import RLOOConfig, RLOOTrainer
+
+        ds = Dataset.from_dict({"prompt": prompts * 4})
+        config = RLOOConfig(**common(out, iterations, bf16), per_device_train_batch_size=32, num_generations=4,
+                            gradient_accumulation_steps=1, max_completion_length=32, temperature=1.0, top_k=0,
+                            learning_rate=3e-6, beta=0.05, num_iterations=1, max_steps=iterations,
+                            generation_kwargs={"min_new_tokens": 32})
+        trainer = RLOOTrainer(model=str(art / "policy"), reward_funcs=str(art / "reward"), args=config,
+                              train_dataset=ds, processing_class=tokenizer, callbacks=[timer])
+    else:
+        from trl.experimental.prm import PRMConfig, PRMTrainer
+
+        rows = [json.loads(line) for line in (art / "prm.jsonl").read_text().splitlines()]
+        ds = Dataset.from_list(rows)
+        tokenizer.padding_side = "right"
+        config = PRMConfig(**common(out, iterations, bf16), per_device_train_batch_size=16, max_length=256,
+                           max_steps=iterations, learning_rate=1e-5, step_separator="\n")
+        model = AutoModelForTokenClassification.from_pretrained(art / "policy", num_labels=2)
+        trainer = PRMTrainer(model=model, args=config, processing_class=tokenizer, train_dataset=ds,
+                             callbacks=[timer])
+        # the rows TRL trains on, in its own order: count their non-pad tokens
+        extra["tokens"] = [len(x) for x in trainer.train_dataset["input_ids"]]
+    gc.collect()
+    trainer.train()
+    times = [b - a for a, b in zip(timer.stamps, timer.stamps[1:])]
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"times": times, "peak_rss_mb": peak, "torch_threads": torch.get_num_threads(), **extra}))
+
+
+if __name__ == "__main__":
+    main()

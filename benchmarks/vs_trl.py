@@ -1,0 +1,194 @@
+"""Side by side with TRL 1.12.0 on identical work, the bare compute underneath, and learning at equal episodes.
+
+Settings (issue 7): a Llama-shaped policy (4 layers, hidden 256, 4 heads, intermediate 1024) with a 4,096-token BPE
+tokenizer trained offline; reward and value models of the same shape; 32 responses per iteration of exactly 32 new
+tokens, temperature 1.0; PPO 4 epochs, 1 mini-batch, forward chunks of 32; RLOO 8 prompts x 4 samples, 1 epoch;
+PRM batches of 16 rows of 3-4 arithmetic steps, max length 256. TRL is installed by this script into its own
+virtual environment (benchmarks/.trl-venv), never into the project's.
+
+    python benchmarks/vs_trl.py                         # the whole table, fp32 (about 20 minutes on 2 cores)
+    python benchmarks/vs_trl.py --only ppo --dtype bf16 --rounds 1
+    python benchmarks/vs_trl.py --learning              # also learning at equal episodes on the built-in task
+
+Each pair runs alternately (ours, TRL, ours, TRL, ...) so that machine noise hits both; per-iteration seconds are
+medians after warm-up; peak memory is the process's peak resident set.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import artifacts  # noqa: E402
+
+import ppo  # noqa: E402
+
+TRL_VENV = ROOT / "benchmarks" / ".trl-venv"
+PEAK = ("import atexit, resource, runpy, sys; atexit.register(lambda: print('PEAK_RSS_MB', "
+        "resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)); sys.argv = sys.argv[1:]; "
+        "runpy.run_path(sys.argv[0], run_name='__main__')")
+WARMUP = 2  # iterations dropped from each run before taking the median
+
+
+def trl_python() -> str:
+    """The TRL venv's python, created on first use."""
+    python = TRL_VENV / "bin" / "python"
+    if not python.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(TRL_VENV)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", "torch==2.13.0", "trl==1.12.0"], check=True)
+    return str(python)
+
+
+def run(cmd: list[str], env: dict | None = None) -> str:
+    result = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})}, cwd=ROOT)
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[:4])}... failed:\n{result.stderr[-3000:]}")
+    return result.stdout
+
+
+def ours(algo: str, iterations: int, art: Path, dtype: str, compile_: bool) -> dict:
+    """Run our script on the benchmark settings; per-iteration seconds from its metrics.jsonl."""
+    out = Path(f"/tmp/bench_ours_{algo}")
+    common = ["--output-dir", str(out), "--learning-rate", "3e-6" if algo != "prm" else "1e-5", "--dtype", dtype]
+    common += ["--compile"] if compile_ else []
+    rl = ["--model", art / "policy", "--reward-model", art / "reward", "--dataset", art / "prompts.jsonl",
+          "--batch-size", "32", "--forward-batch-size", "32", "--max-new-tokens", "32", "--min-new-tokens", "32",
+          "--temperature", "1.0", "--total-episodes", str(32 * iterations), "--eval-every", "100000",
+          "--num-eval-prompts", "1"]
+    if algo == "ppo":
+        args = ["ppo.py", *rl, "--num-mini-batches", "1", "--num-ppo-epochs", "4"]
+    elif algo == "rloo":
+        args = ["rloo.py", *rl, "--rloo-k", "4", "--num-ppo-epochs", "1"]
+    else:
+        args = ["stepwise_prm.py", "--model", art / "policy", "--dataset", art / "prm.jsonl", "--batch-size", "16",
+                "--max-length", "256", "--total-steps", str(iterations), "--eval-every", "100000",
+                "--num-eval-rows", "16"]
+    text = run([sys.executable, "-c", PEAK, *map(str, args), *common], env={"HF_HUB_OFFLINE": "1"})
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:-1]  # no eval rows
+    times = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(rows, rows[1:])]
+    tokens = [r["train/tokens"] for r in rows] if algo == "prm" else []
+    return {"times": times, "peak_rss_mb": float(text.split("PEAK_RSS_MB")[-1]), "tokens": tokens}
+
+
+def theirs(algo: str, iterations: int, art: Path, dtype: str) -> dict:
+    cmd = [trl_python(), str(ROOT / "benchmarks" / "trl_side.py"), algo, str(iterations), str(art)]
+    text = run(cmd + (["--bf16"] if dtype == "bf16" else []))
+    return json.loads(text.strip().splitlines()[-1])
+
+
+def bare_compute(algo: str, art: Path, repeats: int = 5) -> float:
+    """Seconds per iteration of the computation alone, in plain PyTorch: `generate` plus the forward and backward
+    passes (and optimizer steps) the algorithm needs at the benchmark sizes."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig
+
+    torch.manual_seed(0)
+    policy = ppo.disable_dropout(AutoModelForCausalLM.from_pretrained(art / "policy"))
+    ref = AutoModelForCausalLM.from_pretrained(art / "policy").eval()
+    reward = AutoModelForSequenceClassification.from_pretrained(art / "reward").eval()
+    value = ppo.disable_dropout(AutoModelForSequenceClassification.from_pretrained(art / "reward"))
+    queries = torch.randint(3, 4096, (32, 8))
+    gen = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=32, min_new_tokens=32,
+                           pad_token_id=0, eos_token_id=2)
+    params = [*policy.parameters(), *value.parameters()] if algo == "ppo" else list(policy.parameters())
+    optimizer = torch.optim.AdamW(params, lr=1e-6)
+
+    def iteration() -> None:
+        if algo == "prm":
+            ids = torch.randint(3, 4096, (16, 45))
+            policy.model(input_ids=ids).last_hidden_state.sum().backward()
+        else:
+            with torch.no_grad():
+                ids = policy.generate(input_ids=queries, attention_mask=torch.ones_like(queries),
+                                      generation_config=gen)
+                for model in ([policy, ref, value, reward] if algo == "ppo" else [policy, ref, reward]):
+                    model(input_ids=ids)
+            for _ in range(4 if algo == "ppo" else 1):
+                loss = policy(input_ids=ids).logits.float().logsumexp(-1).mean()
+                if algo == "ppo":
+                    loss = loss + value(input_ids=ids).logits.mean()
+                loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    iteration()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        iteration()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def generation_speed(art: Path, repeats: int = 5) -> tuple[float, float]:
+    """Seconds for 32 x 32 sampled tokens: model.generate, and ppo.py's lean decode, same sampling."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    policy = ppo.disable_dropout(AutoModelForCausalLM.from_pretrained(art / "policy"))
+    queries, mask = torch.randint(3, 4096, (32, 8)), torch.ones(32, 8, dtype=torch.long)
+    gen = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=32, min_new_tokens=32,
+                           pad_token_id=0, eos_token_id=2)
+    result = []
+    for fn in (lambda: policy.generate(input_ids=queries, attention_mask=mask, generation_config=gen),
+               lambda: ppo.lean_decode(policy, queries, mask, gen)):
+        with torch.no_grad():
+            fn()
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - start)
+        result.append(statistics.median(times))
+    return result[0], result[1]
+
+
+def median_after_warmup(times_lists: list[list[float]]) -> float:
+    return statistics.median([t for times in times_lists for t in times[WARMUP:]])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", choices=["ppo", "rloo", "prm"], action="append")
+    parser.add_argument("--iterations", type=int, default=10, help="iterations per run")
+    parser.add_argument("--rounds", type=int, default=2, help="alternating runs of each side")
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--compile", action="store_true", help="our scripts with --compile")
+    args = parser.parse_args()
+    art = artifacts.build()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, dtype {args.dtype}"
+          f"{', --compile' if args.compile else ''}; artifacts in {art}")
+    lines = ["| | this repo s/iter | TRL 1.12 s/iter | TRL / this | peak RSS this / TRL (MB) | bare compute s/iter "
+             "| this / bare |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for algo in args.only or ["ppo", "rloo", "prm"]:
+        mine, trl = [], []
+        for _ in range(args.rounds):
+            mine.append(ours(algo, args.iterations, art, args.dtype, args.compile))
+            trl.append(theirs(algo, args.iterations, art, args.dtype))
+        a, b = median_after_warmup([m["times"] for m in mine]), median_after_warmup([t["times"] for t in trl])
+        bare = bare_compute(algo, art)
+        rss = f"{max(m['peak_rss_mb'] for m in mine):.0f} / {max(t['peak_rss_mb'] for t in trl):.0f}"
+        if algo == "prm":
+            ours_tps = statistics.mean(x for m in mine for x in m["tokens"]) / a
+            trl_tps = 16 * statistics.mean(trl[0]["tokens"]) / b
+            lines.append(f"| PRM (non-pad tokens/s) | {ours_tps:,.0f} ({a:.3f} s/step) | {trl_tps:,.0f} ({b:.3f} "
+                         f"s/step) | {ours_tps / trl_tps:.2f}x tokens/s | {rss} | {bare:.3f} | {a / bare:.2f} |")
+        else:
+            lines.append(f"| {algo.upper()} | {a:.3f} | {b:.3f} | {b / a:.2f}x | {rss} | {bare:.3f} | "
+                         f"{a / bare:.2f} |")
+        print(lines[-1], flush=True)
+    hf, lean = generation_speed(art)
+    print("\n".join(lines))
+    print(f"\ngeneration, 32 x 32 sampled tokens: model.generate {hf:.3f} s ({1024 / hf:,.0f} tokens/s), lean decode "
+          f"{lean:.3f} s ({1024 / lean:,.0f} tokens/s): {hf / lean:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
