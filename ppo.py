@@ -139,6 +139,15 @@ class TaskArgs:
     """subtracted from the score of responses that end neither with EOS nor with a stop string"""
     success_threshold: float = 1.0
     """an evaluation completion counts towards task/accuracy when its score reaches this"""
+    prm_model: str | None = None
+    """a process reward model (two-label token classifier, e.g. from stepwise_prm.py) that rewards each step"""
+    prm_weight: float = 1.0
+    """weight w of the process rewards: ppo.py shapes with the potential w x min(p_1..p_k) (see step_rewards);
+    rloo.py adds w x the --prm-aggregate of the step scores to each response's score"""
+    prm_separator: str = "\n"
+    """what ends a step in a response (as in the PRM's training data)"""
+    prm_aggregate: Literal["min", "mean", "last"] = "min"
+    """rloo.py: how a response's step rewards become one (ppo.py puts each on the last token of its step)"""
 
 
 @dataclass
@@ -228,6 +237,29 @@ def addition_eval_rows() -> list[dict]:
     return [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(10) for b in range(10)]
 
 
+def multistep_problem(rng: random.Random) -> dict:
+    """One problem of the built-in task: a running sum of 3-5 operands 0-4 ('2+3+4='), its correct steps
+    (['2+3=5', '5+4=9']) and its answer ('9')."""
+    nums = [rng.randrange(5) for _ in range(rng.randint(3, 5))]
+    steps, total = [], nums[0]
+    for x in nums[1:]:
+        steps.append(f"{total}+{x}={total + x}")
+        total += x
+    return {"prompt": "+".join(map(str, nums)) + "=", "steps": steps, "answer": str(total)}
+
+
+def multistep_prompt(rng: random.Random) -> dict:
+    """A prompt row of the multi-step task (stepwise_prm.py's data): --prompt-fn ppo:multistep_prompt."""
+    problem = multistep_problem(rng)
+    return {"prompt": problem["prompt"], "answer": problem["answer"]}
+
+
+def multistep_reward(prompts, completions, answer, **kwargs) -> list[float]:
+    """1.0 when the result of the last step ('...=9') is the answer, else 0.0: --reward-fn ppo:multistep_reward."""
+    last = [c.strip().split("\n")[-1].rpartition("=")[2].strip() for c in completions]
+    return [float(x == a) for x, a in zip(last, answer)]
+
+
 def addition_reward(prompts, completions, completion_ids, answer, tokenizer, **kwargs) -> list[float]:
     """1.0 for the exact answer followed by EOS; else partial credit: 0.5 x the fraction of the answer's digits in
     place. From random init a 0/1 reward gives almost no signal; this one learns (see docs/ppo.md)."""
@@ -304,7 +336,8 @@ def model_context(model) -> int:
 
 def check_task(task: TaskArgs) -> bool:
     """Validate a task's flags before anything is loaded; True when it is the built-in task."""
-    has_prompts, has_reward = bool(task.dataset or task.prompt_fn), bool(task.reward_fn or task.reward_model)
+    has_prompts = bool(task.dataset or task.prompt_fn)
+    has_reward = bool(task.reward_fn or task.reward_model or task.prm_model)
     if task.dataset and task.prompt_fn:
         fail("--prompt-fn", task.prompt_fn, "give one prompt source: --dataset or --prompt-fn, not both")
     if has_reward and not has_prompts:
@@ -371,8 +404,15 @@ def load_task(task: TaskArgs, tokenizer, context: int, max_new_tokens: int) -> d
     else:
         source, eval_rows = addition_prompt, addition_eval_rows()
     reward_fns = [(spec, load_callable(spec, "--reward-fn")) for spec in task.reward_fn]
-    if not (task.reward_fn or task.reward_model):
+    if not (task.reward_fn or task.reward_model or task.prm_model):
         reward_fns = [("builtin:addition_reward", functools.partial(addition_reward, tokenizer=tokenizer))]
+    prm = prm_tokenizer = None
+    if task.prm_model:
+        prm_tokenizer = load_pretrained(AutoTokenizer, task.prm_model, "--prm-model")
+        prm = load_pretrained(AutoModelForTokenClassification, task.prm_model, "--prm-model",
+                              num_labels=2).eval().requires_grad_(False)
+        if prm_tokenizer.unk_token_id in prm_tokenizer(task.prm_separator, add_special_tokens=False).input_ids:
+            fail("--prm-separator", task.prm_separator, "the PRM's tokenizer cannot encode it; use its step separator")
     reward_model = rm_tokenizer = None
     if task.reward_model:
         rm_tokenizer = load_pretrained(AutoTokenizer, task.reward_model, "--reward-model")
@@ -382,7 +422,7 @@ def load_task(task: TaskArgs, tokenizer, context: int, max_new_tokens: int) -> d
         reward_model.config.pad_token_id = rm_tokenizer.pad_token_id
     return {"args": task, "source": source, "eval_rows": eval_rows, "reward_fns": reward_fns,
             "weights": task.reward_weights or [1.0] * len(reward_fns), "reward_model": reward_model,
-            "rm_tokenizer": rm_tokenizer, "context": context}
+            "rm_tokenizer": rm_tokenizer, "prm": prm, "prm_tokenizer": prm_tokenizer, "context": context}
 
 
 def draw_rows(task: dict, state: dict, n: int, seed: int) -> list[dict]:
@@ -576,9 +616,69 @@ def reward_model_scores(reward_model, rm_tokenizer, texts: list[str]) -> torch.T
     return reward_model(**enc.to(reward_model.device)).logits[:, 0].float().cpu()
 
 
+@torch.no_grad()
+def process_rewards(prm, prm_tokenizer, tokenizer, prompts: list, completion_ids: list[list[int]],
+                    separator: str) -> list[list[tuple[int, float]]]:
+    """Per response, one (token index, p) per step: the response is split into steps at the separator, the PRM
+    reads [BOS] prompt step sep step sep ... as in its training, and p is its probability that the step is correct
+    (read at the step's last token); the token index is the response token where the step's text ends."""
+    inputs, places = [], []
+    sep_ids = prm_tokenizer(separator, add_special_tokens=False).input_ids
+    bos = [prm_tokenizer.bos_token_id] if prm_tokenizer.bos_token_id is not None else []
+    for prompt, ids in zip(prompts, completion_ids):
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        ends = [len(tokenizer.decode(ids[:j + 1], skip_special_tokens=True)) for j in range(len(ids))]  # chars
+        prompt_text = prompt if isinstance(prompt, str) else prompt[-1]["content"]
+        seq, labelled, token_of_step, end = bos + prm_tokenizer(prompt_text, add_special_tokens=False).input_ids, \
+            [], [], 0
+        for step in text.split(separator):
+            end = min(end + len(step) + len(separator), len(text))
+            if step.strip():
+                seq += prm_tokenizer(step, add_special_tokens=False).input_ids + sep_ids
+                labelled.append(len(seq) - 1)
+                token_of_step.append(next((j for j, e in enumerate(ends) if e >= end), len(ids) - 1))
+        inputs.append(seq)
+        places.append((labelled, token_of_step))
+    width = max(map(len, inputs))
+    ids = torch.tensor([s + [prm_tokenizer.pad_token_id or 0] * (width - len(s)) for s in inputs], device=prm.device)
+    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in inputs], device=prm.device)
+    p_correct = prm(input_ids=ids, attention_mask=mask).logits.float().softmax(-1)[..., 1].cpu()  # [B, L]
+    return [[(j, p_correct[b, i].item()) for i, j in zip(*place)] for b, place in enumerate(places)]
+
+
+def step_rewards(steps: list[tuple[int, float]], weight: float) -> list[tuple[int, float]]:
+    """Process rewards of one response from its (token index, p) steps, as potential-based shaping (Ng et al. 1999):
+    the potential is w x min(p_1..p_k) after k steps, 0 before the first step and at the end; step k gets the
+    change of potential on its last token, and the response's last token gets -(final potential) (index -1 here).
+    They add up to 0, so they change no optimal policy, only when credit comes: a reward for each sound step, a drop
+    on the step where the PRM's doubt begins. (A plain sum of step scores pays for writing steps, not for solving:
+    PPO learns to write one confident step and stop.)"""
+    out, low, previous = [], 1.0, 0.0
+    for j, p in steps:
+        low = min(low, p)
+        out.append((j, weight * low - previous))
+        previous = weight * low
+    return out + [(-1, -previous)] if steps else []
+
+
+def token_rewards(scores: torch.Tensor, masks: torch.Tensor, process: list | None, weight: float) -> torch.Tensor:
+    """What ppo_step gets: the scores [B] alone, or with process rewards per token [B, T]: each step's reward on the
+    token where the step ends, the score on the last token of the response."""
+    if process is None:
+        return scores
+    rewards = torch.zeros(masks.shape)
+    last = masks.sum(1).clamp(min=1) - 1
+    rewards[torch.arange(len(scores)), last] = scores
+    for b, steps in enumerate(process):
+        for j, r in step_rewards(steps, weight):
+            rewards[b, last[b] if j < 0 else j] += r
+    return rewards
+
+
 def rollout(policy, tokenizer, rows: list[dict], gen: GenerationConfig, stop_strings: list[str], task: dict) -> dict:
     """Generate responses to prompt rows and score them. Returns queries [B, Lq], responses [B, T], masks [B, T]
-    (1 on response tokens), scores [B], ended [B], and the prompts and completion texts."""
+    (1 on response tokens), scores [B], ended [B], the prompts and completion texts, and with a PRM its step
+    scores: per response, (token index, p_correct) per step."""
     prompts = [r["prompt"] for r in rows]
     ids = [render_prompt(tokenizer, p) for p in prompts]
     if max(map(len, ids)) + gen.max_new_tokens > task["context"]:
@@ -599,9 +699,11 @@ def rollout(policy, tokenizer, rows: list[dict], gen: GenerationConfig, stop_str
                                                                          full)
     if task["args"].missing_eos_penalty is not None:
         scores[~ended] -= task["args"].missing_eos_penalty
+    process = None if task["prm"] is None else process_rewards(
+        task["prm"], task["prm_tokenizer"], tokenizer, prompts, completion_ids, task["args"].prm_separator)
     masks = (torch.arange(responses.shape[1])[None] < lengths[:, None]).long()
     return {"queries": queries, "responses": responses, "masks": masks, "scores": scores, "ended": ended,
-            "prompts": prompts, "texts": texts}
+            "prompts": prompts, "texts": texts, "process": process}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -1064,7 +1166,7 @@ def main(args: Args) -> None:
         policy.load_state_dict(AutoModelForCausalLM.from_pretrained(ckpt / "policy").state_dict())
         value_model.load_state_dict(AutoModelForTokenClassification.from_pretrained(ckpt / "value").state_dict())
     models = {"policy": policy, "value": value_model}
-    for model in (policy, ref_policy, value_model, task["reward_model"]):
+    for model in (policy, ref_policy, value_model, task["reward_model"], task["prm"]):
         if model is not None:
             disable_dropout(model.to(device))
             shard(model, init_device_mesh(device.type, (world,))) if args.fsdp else None
@@ -1103,11 +1205,15 @@ def main(args: Args) -> None:
             out = rollout(policy, tokenizer, rows, sample, gen.stop_strings, task)
         try:
             metrics = ppo_step(policy, value_model, ref_policy, optimizer, out["queries"], out["responses"],
-                               out["scores"], out["masks"], hp=hp, pad_token_id=tokenizer.pad_token_id,
+                               token_rewards(out["scores"], out["masks"], out["process"], args.task.prm_weight),
+                               out["masks"], hp=hp, pad_token_id=tokenizer.pad_token_id,
                                eos_token_id=tokenizer.eos_token_id)
         except FloatingPointError as e:
             fail("--skip-nonfinite", False, f"{e} at iteration {iteration}: the run stops here, its last good "
                  "checkpoint kept; lower --learning-rate, check the rewards, or pass --skip-nonfinite")
+        if out["process"] is not None:
+            metrics["objective/prm_min_step_score"] = sum(min((p for _, p in steps), default=0)
+                                                          for steps in out["process"]) / len(rows)
         episode += args.batch_size
         row = {"iteration": iteration, "episode": episode, "elapsed_s": round(time.time() - t0, 3),
                "lr": optimizer.param_groups[0]["lr"], **average_metrics(metrics, device)}

@@ -648,11 +648,16 @@ def main(args: Args) -> None:
     warmup_loss = None
     if builtin:
         if warmup_steps and ckpt is None:  # every process runs the same warm start and gets the same weights
-            solutions = [tokenize(r) for r in train_rows if all(r["labels"])]
+            eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []  # so that the LM stops
+            solutions = [{"input_ids": e["input_ids"] + eos, "labels": e["labels"] + [-100] * len(eos)}
+                         for e in (tokenize(r) for r in train_rows if all(r["labels"]))]
             if not solutions:
                 fail("--warmup-steps", warmup_steps, "no training row has every step correct; give 0")
             warmup_loss = warm_start(lm.to(device), solutions, warmup_steps, lr, args.batch_size,
                                      tokenizer.pad_token_id, args.seed, progress=rank == 0)
+            if rank == 0:  # a causal LM that writes solutions: a starting policy for RL on the same task
+                lm.save_pretrained(output_dir / "warmup_lm")
+                tokenizer.save_pretrained(output_dir / "warmup_lm")
         config = copy.deepcopy(lm.config)
         config.num_labels = 2
         model = AutoModelForTokenClassification.from_config(config)

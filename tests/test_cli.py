@@ -190,3 +190,29 @@ def test_bad_input_is_one_line(script, args, flag, words, user_files, tmp_path):
 def test_rloo_needs_two_samples_per_prompt(tmp_path):
     result = run_script("rloo.py", *TINY, "--rloo-k", "1", "--output-dir", tmp_path)
     assert_one_line_error(result, "--rloo-k", "at least 2")
+
+
+@pytest.fixture(scope="module")
+def tiny_prm_dir(tmp_path_factory):
+    """A tiny two-label token classifier with the built-in tokenizer, saved as stepwise_prm.py saves its PRMs."""
+    import ppo
+
+    path = tmp_path_factory.mktemp("tiny_prm")
+    tokenizer = ppo.build_tokenizer()
+    config = ppo.build_tiny_model(tokenizer).config
+    config.num_labels = 2
+    ppo.AutoModelForTokenClassification.from_config(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_process_rewards_from_a_prm(script, tmp_path, tiny_prm_dir):
+    result = run_script(script, *TINY, "--prompt-fn", "ppo:multistep_prompt", "--reward-fn", "ppo:multistep_reward",
+                        "--prm-model", tiny_prm_dir, "--prm-weight", "0.5", "--max-new-tokens", "16",
+                        "--output-dir", tmp_path / "run")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = read_metrics(tmp_path / "run")
+    assert rows[-1]["episode"] == 32
+    if script == "ppo.py":
+        assert 0 <= rows[-1]["objective/prm_min_step_score"] <= 1

@@ -223,3 +223,41 @@ def test_reused_first_forward_equals_accumulated_micro_batches(dtype):
     for a, b in zip(results[0][0], results[1][0]):
         torch.testing.assert_close(a, b, atol=1e-5 if dtype == "fp32" else 1e-3, rtol=0)
     assert results[0][1]["objective/kl"] == pytest.approx(results[1][1]["objective/kl"], abs=1e-5)
+
+
+# ---- process rewards from a PRM ------------------------------------------------------------------------------------
+
+
+def test_step_rewards_shape_with_the_running_minimum():
+    steps = [(5, 0.9), (11, 0.5), (20, 0.7)]
+    out = ppo.step_rewards(steps, weight=2.0)
+    # potential 2 x min(p_1..p_k): 1.8, 1.0, 1.0; then back to 0 at the end of the response
+    assert [j for j, _ in out] == [5, 11, 20, -1]
+    assert [r for _, r in out] == pytest.approx([1.8, -0.8, 0.0, -1.0])
+    assert sum(r for _, r in out) == pytest.approx(0.0)  # shaping: no optimal policy changes
+    assert ppo.step_rewards([], 1.0) == []
+
+
+def test_process_rewards_land_on_the_last_token_of_each_step():
+    torch.manual_seed(0)
+    tokenizer = ppo.build_tokenizer()
+    config = ppo.build_tiny_model(tokenizer).config
+    config.num_labels = 2
+    prm = ppo.AutoModelForTokenClassification.from_config(config).eval()
+    with torch.no_grad():  # a PRM that says 0.8 for every step
+        prm.score.weight.zero_()
+        prm.score.bias.copy_(torch.tensor([0.0, math.log(4.0)]))
+    ids = lambda s: tokenizer(s, add_special_tokens=False).input_ids  # noqa: E731
+    completion = ids("1+2=3\n3+4=7\n") + [tokenizer.eos_token_id]
+    other = ids("12+1=13") + [tokenizer.eos_token_id]  # one step, no separator after it
+    steps = ppo.process_rewards(prm, tokenizer, tokenizer, ["1+2+4=", "12+1="], [completion, other], "\n")
+    assert [j for j, _ in steps[0]] == [5, 11]  # the two newline tokens
+    assert [j for j, _ in steps[1]] == [6]  # the last character of the step
+    assert all(p == pytest.approx(0.8) for s in steps for _, p in s)
+    masks = torch.zeros(2, len(completion), dtype=torch.long)
+    masks[0, :len(completion)], masks[1, :len(other)] = 1, 1
+    rewards = ppo.token_rewards(torch.tensor([1.0, 0.0]), masks, steps, weight=1.0)
+    # row 0: 0.8 on step 1's newline, 0 on step 2's (the minimum stays 0.8), then score 1 - 0.8 on EOS
+    assert [row.nonzero().flatten().tolist() for row in rewards] == [[5, 12], [6, 7]]
+    assert rewards[0, 5] == pytest.approx(0.8) and rewards[0, 12] == pytest.approx(1.0 - 0.8)
+    assert rewards[1, 6] == pytest.approx(0.8) and rewards[1, 7] == pytest.approx(-0.8)  # its step, then EOS
