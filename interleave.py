@@ -475,4 +475,6 @@ if __name__ == "__main__":
     argv = sys.argv[1:]
     if not argv or argv[0] not in RECIPES and argv[0] not in ("-h", "--help"):
         argv = ["interleaved", *argv]  # no recipe named: the default one
-    main(tyro.extras.overridable_config_cli(RECIPES, args=argv))
+    main(tyro.extras.overridable_config_cli(RECIPES, args=argv, description="Alternate SFT, PPO, RLOO and PRM steps "
+                                            "on one shared policy. Name a recipe, then override any setting; with no "
+                                            "recipe named, 'interleaved' runs."))
