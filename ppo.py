@@ -869,13 +869,15 @@ def ppo_step(policy, value_model, ref_policy, optimizer, queries: torch.Tensor, 
                                         hp.ent_coef > 0), response_values(value_model, input_ids, attention_mask, T))
     with torch.no_grad(), amp():
         chunks = [slice(i, i + hp.forward_batch_size) for i in range(0, B, hp.forward_batch_size)]
-        forward = lambda fn, model: torch.cat([fn(model, input_ids[c], attention_mask[c], responses[c])  # noqa: E731
-                                               for c in chunks])
-        ref_logprobs = forward(lambda *a: response_logprobs(*a, hp.temperature)[0], ref_policy)
-        old_logprobs = first[0].detach() if fused else forward(lambda *a: response_logprobs(*a, hp.temperature)[0],
-                                                              policy)
-        old_values = (first[2].detach() if fused else forward(lambda m, x, a, r: response_values(m, x, a, T),
-                                                              value_model)) * valid
+        logprobs_of = lambda model: torch.cat([response_logprobs(  # noqa: E731
+            model, input_ids[c], attention_mask[c], responses[c], hp.temperature)[0] for c in chunks])
+        ref_logprobs = logprobs_of(ref_policy)
+        if fused:
+            old_logprobs, old_values = first[0].detach(), first[2].detach() * valid
+        else:
+            old_logprobs = logprobs_of(policy)
+            old_values = torch.cat([response_values(value_model, input_ids[c], attention_mask[c], T)
+                                    for c in chunks]) * valid
 
         # 3. Per-token rewards: -kl_coef * KL on trained tokens, plus the score on the last token of the response.
         kl = kl_penalty(old_logprobs, ref_logprobs, hp.kl_estimator) * train  # [B, T]
@@ -883,16 +885,16 @@ def ppo_step(policy, value_model, ref_policy, optimizer, queries: torch.Tensor, 
         last = (valid.sum(1) - 1).clamp(min=0)  # [B] index of the last response token
         if rewards.dim() == 1:
             scores = rewards
-            token_rewards = non_score.clone()
-            token_rewards[torch.arange(B, device=device), last] += rewards
+            per_token = non_score.clone()
+            per_token[torch.arange(B, device=device), last] += rewards
         else:
             scores = (rewards * valid).sum(1)
-            token_rewards = non_score + rewards * valid
+            per_token = non_score + rewards * valid
         if hp.whiten_rewards:
-            token_rewards = masked_whiten(token_rewards, valid, shift_mean=False) * valid
+            per_token = masked_whiten(per_token, valid, shift_mean=False) * valid
 
         # 4. GAE over the response, returns = advantages + values, advantages whitened over trained tokens.
-        advantages, returns = gae(token_rewards, old_values, hp.gamma, hp.lam)
+        advantages, returns = gae(per_token, old_values, hp.gamma, hp.lam)
         advantages = masked_whiten(advantages, train) * train
 
     # 5. PPO epochs over shuffled mini-batches; losses are token sums divided by the mini-batch's token count over
@@ -917,7 +919,8 @@ def ppo_step(policy, value_model, ref_policy, optimizer, queries: torch.Tensor, 
                                                                   hp.temperature, True, hp.ent_coef > 0)
                         new_values = response_values(value_model, input_ids[i], attention_mask[i], T)
                 v_clipped = old_values[i] + (new_values - old_values[i]).clamp(-hp.cliprange_value, hp.cliprange_value)
-                vf_losses = torch.max((new_values - returns[i]) ** 2, (v_clipped - returns[i]) ** 2)
+                vf_unclipped, vf_clipped = (new_values - returns[i]) ** 2, (v_clipped - returns[i]) ** 2
+                vf_losses = torch.max(vf_unclipped, vf_clipped)
                 vf_loss = 0.5 * (vf_losses * valid[i]).sum() / n_valid
                 log_ratio = new_logprobs - old_logprobs[i]
                 ratio = log_ratio.exp()
@@ -937,7 +940,7 @@ def ppo_step(policy, value_model, ref_policy, optimizer, queries: torch.Tensor, 
                     stats["vf_loss"].append(0.5 * masked_mean(vf_losses, v))
                     stats["approxkl"].append(0.5 * masked_mean(log_ratio ** 2, t))
                     stats["clipfrac"].append(masked_mean(((ratio - 1).abs() > hp.cliprange).float(), t))
-                    stats["vf_clipfrac"].append(masked_mean(((new_values - v_clipped).abs() > 0).float(), v))
+                    stats["vf_clipfrac"].append(masked_mean((vf_clipped > vf_unclipped).float(), v))
                     stats["entropy"].append(masked_mean(entropy, t))
                     stats["ratio"].append(masked_mean(ratio, t))
             if not step_or_skip(optimizer, params, global_sum(bad) > 0, hp.max_grad_norm, hp.skip_nonfinite):
