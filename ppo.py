@@ -510,11 +510,16 @@ def next_token(logits: torch.Tensor, seen: torch.Tensor, gen: GenerationConfig, 
     return torch.searchsorted(cdf, u)[:, 0].clamp(max=cdf.shape[1] - 1)
 
 
-def lean_decode_supported(model) -> bool:
+def lean_decode_supported(model, gen: GenerationConfig) -> bool:
     """The plain-PyTorch decode loop below handles unsharded Llama, Mistral and Qwen2 models with default RoPE and
-    no sliding window; any other model goes through `generate`."""
+    no sliding window, sampling with the settings next_token implements; anything else goes through `generate`."""
     config = model.config
     rope = getattr(config, "rope_parameters", None) or {}
+    others = GenerationConfig()  # every other generation setting must be left at its default
+    skip = {"do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens",
+            "min_new_tokens", "pad_token_id", "eos_token_id", "bos_token_id", "transformers_version"}
+    if any(v != getattr(others, k, None) for k, v in gen.to_diff_dict().items() if k not in skip):
+        return False
     return (config.model_type in ("llama", "mistral", "qwen2") and rope.get("rope_type", "default") == "default"
             and config.hidden_act == "silu" and not (getattr(config, "use_sliding_window", True)
                                                      and getattr(config, "sliding_window", None))
@@ -581,7 +586,7 @@ def generate(policy, tokenizer, queries: torch.Tensor, gen: GenerationConfig, st
     Lq = queries.shape[1]
     stop = lambda new_ids: torch.tensor([any(s in t for s in stop_strings)  # noqa: E731
                                          for t in tokenizer.batch_decode(new_ids)], device=new_ids.device)
-    if lean_decode_supported(policy):
+    if lean_decode_supported(policy, gen):
         out = lean_decode(policy, queries, attention_mask, gen, stop if stop_strings else None)
     else:
         criteria = StoppingCriteriaList([lambda ids, scores, **kw: stop(ids[:, Lq:])]) if stop_strings else None
@@ -839,9 +844,11 @@ def ppo_step(policy, value_model, ref_policy, optimizer, queries: torch.Tensor, 
              eos_token_id: int | None = None) -> dict[str, float]:
     """One PPO update on a batch of finished episodes.
 
-    queries [B, Lq] left-padded prompt ids; responses [B, T] right-padded response ids (a response ends after its
-    first EOS); rewards [B] (one score per response) or [B, T] (per-token: dense or process rewards); masks [B, T]
-    with 0 on response tokens that must not be trained on (tool output: no gradient, no KL). Returns metrics.
+    queries [B, Lq] left-padded prompt ids; responses [B, T] right-padded response ids; rewards [B] (one score per
+    response) or [B, T] (per-token: dense or process rewards); masks [B, T] with 0 on response tokens that must not
+    be trained on (tool output: no gradient, no KL). A response ends after its first eos_token_id (pass None when
+    EOS may appear inside an episode) and before its trailing pad tokens and its trailing mask-0 tokens: an episode
+    that ends with tool output loses that output from the value loss too. Returns metrics.
     """
     B, T = responses.shape
     micro = B // (hp.num_mini_batches * hp.gradient_accumulation_steps)

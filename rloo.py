@@ -486,7 +486,7 @@ def generate(policy, tokenizer, queries: torch.Tensor, gen: GenerationConfig, st
     Lq = queries.shape[1]
     stop = lambda new_ids: torch.tensor([any(s in t for s in stop_strings)  # noqa: E731
                                          for t in tokenizer.batch_decode(new_ids)], device=new_ids.device)
-    if lean_decode_supported(policy):
+    if lean_decode_supported(policy, gen):
         out = lean_decode(policy, queries, attention_mask, gen, stop if stop_strings else None)
     else:
         criteria = StoppingCriteriaList([lambda ids, scores, **kw: stop(ids[:, Lq:])]) if stop_strings else None
@@ -579,11 +579,16 @@ def next_token(logits: torch.Tensor, seen: torch.Tensor, gen: GenerationConfig, 
     return torch.searchsorted(cdf, u)[:, 0].clamp(max=cdf.shape[1] - 1)
 
 
-def lean_decode_supported(model) -> bool:
+def lean_decode_supported(model, gen: GenerationConfig) -> bool:
     """The plain-PyTorch decode loop below handles unsharded Llama, Mistral and Qwen2 models with default RoPE and
-    no sliding window; any other model goes through `generate`."""
+    no sliding window, sampling with the settings next_token implements; anything else goes through `generate`."""
     config = model.config
     rope = getattr(config, "rope_parameters", None) or {}
+    others = GenerationConfig()  # every other generation setting must be left at its default
+    skip = {"do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens",
+            "min_new_tokens", "pad_token_id", "eos_token_id", "bos_token_id", "transformers_version"}
+    if any(v != getattr(others, k, None) for k, v in gen.to_diff_dict().items() if k not in skip):
+        return False
     return (config.model_type in ("llama", "mistral", "qwen2") and rope.get("rope_type", "default") == "default"
             and config.hidden_act == "silu" and not (getattr(config, "use_sliding_window", True)
                                                      and getattr(config, "sliding_window", None))
