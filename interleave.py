@@ -317,6 +317,7 @@ def main(args: Args) -> None:
     tokenizer, policy = ppo.load_policy(args.model, args.trust_remote_code)
     models = {"policy": policy}
     ref_policy = ppo.disable_dropout(copy.deepcopy(policy)).eval().requires_grad_(False)
+    # 1. Models: the value model (for PPO) and the PRM start from the policy's weights under fresh heads.
     if "ppo" in args.phases:
         config = copy.deepcopy(policy.config)
         config.num_labels = 1
@@ -358,6 +359,7 @@ def main(args: Args) -> None:
     def adamw(*mods):
         return torch.optim.AdamW([p for m in mods for p in m.parameters()], lr=1e-3, eps=1e-5)
 
+    # 2. One AdamW for the policy's phases (each step sets its phase's learning rate), or one per phase.
     shared = adamw(policy, *([models["value"]] if "value" in models else []))
     optimizers = {p: shared if args.shared_optimizer else adamw(policy, *([models["value"]] if p == "ppo" else []))
                   for p in args.phases if p != "prm"}
@@ -393,12 +395,13 @@ def main(args: Args) -> None:
                     desc="interleave", disable=rank != 0)
     t0 = time.time() - elapsed
     for step in progress:
+        # 3. The schedule picks this step's phase; the phase's learning rate, annealed over --total-steps.
         phase, sched = schedule(args, step, sched, recent)
         cfg = getattr(args, phase)
         local = cfg.turn.batch_size // world
         for group in optimizers[phase].param_groups:
             group["lr"] = cfg.turn.learning_rate * ((1 - (step - 1) / args.total_steps) if args.anneal_lr else 1)
-        # 1. SFT: demonstrations, the RL phases' failures first when --sft.on-failures
+        # 4. SFT: demonstrations, the RL phases' failures first when --sft.on-failures
         if phase == "sft":
             rows = ppo.draw_rows(sft_source, data["sft"], cfg.turn.batch_size, args.seed)
             rows = rows[rank * local:(rank + 1) * local]
@@ -411,7 +414,7 @@ def main(args: Args) -> None:
             except FloatingPointError as e:
                 fail("--sft.skip-nonfinite", False, f"{e} at step {step}: the run stops here, its last good "
                      "checkpoint kept; lower the learning rate, or pass the flag")
-        # 2. RL: a rollout on the phase's own prompts and rewards, then ppo_step or rloo_step
+        # 5. RL: a rollout on the phase's own prompts and rewards, then ppo_step or rloo_step
         elif phase in ("ppo", "rloo"):
             k = cfg.hp.rloo_k if phase == "rloo" else 1
             prompts = ppo.draw_rows(tasks[phase], data[phase], cfg.turn.batch_size // k, args.seed)
@@ -430,12 +433,13 @@ def main(args: Args) -> None:
             except FloatingPointError as e:
                 fail(f"--{phase}.skip-nonfinite", False, f"{e} at step {step}: the run stops here, its last good "
                      "checkpoint kept; lower the learning rate, check the rewards, or pass the flag")
-        # 3. PRM: a length-grouped batch of stepwise rows for the process reward model
+        # 6. PRM: a random batch of stepwise rows, sorted by length, for the process reward model
         else:
             order = torch.randperm(len(prm_examples), generator=torch.Generator().manual_seed(args.seed + step))
             batch = [prm_examples[i] for i in order[:cfg.turn.batch_size].tolist()][rank * local:(rank + 1) * local]
             metrics = prm_step(models["prm"], optimizers["prm"], sorted(batch, key=lambda e: len(e["input_ids"])),
                                pad_token_id=tokenizer.pad_token_id)
+        # 7. Log: metrics under the phase's name (sft/loss, rloo/objective/kl, ...); evaluation every --eval-every.
         row = {"iteration": step, "phase": phase, "elapsed_s": round(time.time() - t0, 3),
                **{f"{phase}/{k_}": v for k_, v in ppo.average_metrics(metrics, device).items()}}
         samples = None
@@ -445,6 +449,7 @@ def main(args: Args) -> None:
         recent.update({k_: v for k_, v in row.items() if isinstance(v, float)})
         ppo.log_row(metrics_path, run, row, samples)
         progress.set_postfix(phase=phase, acc=row.get("task/accuracy", ""))
+        # 8. Checkpoint: models, optimizers, random states, schedule state, failures and data positions.
         if args.save_every and step % args.save_every == 0:
             rngs = [ppo.rng_states()] * world
             if world > 1:

@@ -1154,6 +1154,7 @@ def main(args: Args) -> None:
     random.seed(args.seed)
     torch.manual_seed(args.seed)
     tokenizer, policy = load_policy(args.model, args.trust_remote_code)
+    # 7. Models: a frozen copy of the policy is the reference; the value model is a one-label token classifier.
     ref_policy = disable_dropout(copy.deepcopy(policy)).eval().requires_grad_(False)
     if args.value_model or args.task.reward_model:
         flag = "--value-model" if args.value_model else "--reward-model"
@@ -1208,11 +1209,13 @@ def main(args: Args) -> None:
                     disable=rank != 0)
     t0 = time.time() - elapsed
     for iteration in progress:
+        # 8. Rollout: anneal the learning rate, take this process's share of the prompts, sample and score.
         if args.anneal_lr:
             optimizer.param_groups[0]["lr"] = lr * (1 - (iteration - 1) / num_iterations)
         rows = draw_rows(task, prompt_state, args.batch_size, args.seed)[rank * local_batch:(rank + 1) * local_batch]
         with autocast(hp.dtype, device):
             out = rollout(policy, tokenizer, rows, sample, gen.stop_strings, task)
+        # 9. Update: the scores (with a PRM, per-token process rewards too) go into one ppo_step.
         try:
             metrics = ppo_step(policy, value_model, ref_policy, optimizer, out["queries"], out["responses"],
                                token_rewards(out["scores"], out["masks"], out["process"], args.task.prm_weight),
@@ -1221,6 +1224,7 @@ def main(args: Args) -> None:
         except FloatingPointError as e:
             fail("--skip-nonfinite", False, f"{e} at iteration {iteration}: the run stops here, its last good "
                  "checkpoint kept; lower --learning-rate, check the rewards, or pass --skip-nonfinite")
+        # 10. Log: metrics averaged over processes, one row per iteration; greedy evaluation every --eval-every.
         if out["process"] is not None:
             metrics["objective/prm_min_step_score"] = sum(min((p for _, p in steps), default=0)
                                                           for steps in out["process"]) / len(rows)
@@ -1235,6 +1239,7 @@ def main(args: Args) -> None:
         log_row(metrics_path, run, row, samples)
         progress.set_postfix(score=f"{row['objective/scores']:.3f}", kl=f"{row['objective/kl']:.3f}",
                              acc=row.get("task/accuracy", ""))
+        # 11. Checkpoint: models, optimizer, random states and prompt position, written whole or not at all.
         if args.save_every and iteration % args.save_every == 0:
             rngs = [rng_states()] * world
             if world > 1:

@@ -840,8 +840,12 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
         with amp():
             first = shared_prefix_logprobs(policy, queries, responses, valid, pad_token_id, hp.temperature, True)
     with torch.no_grad(), amp():
-        old_logprobs = logprobs_of(policy) if need_old else \
-            first[0].detach() if fused else torch.zeros(B, T, device=device)
+        if need_old:
+            old_logprobs = logprobs_of(policy)
+        elif fused:
+            old_logprobs = first[0].detach()
+        else:  # filled by the training passes
+            old_logprobs = torch.zeros(B, T, device=device)
         ref_logprobs = logprobs_of(ref_policy) if hp.kl_coef > 0 else None
         kl_of = lambda logprobs: kl_penalty(logprobs, ref_logprobs, hp.kl_estimator) * train \
             if ref_logprobs is not None else torch.zeros(B, T, device=device)  # noqa: E731
@@ -1113,6 +1117,7 @@ def main(args: Args) -> None:
     random.seed(args.seed)
     torch.manual_seed(args.seed)
     tokenizer, policy = load_policy(args.model, args.trust_remote_code)
+    # 7. Models: a frozen copy of the policy is the reference; there is no value model.
     ref_policy = disable_dropout(copy.deepcopy(policy)).eval().requires_grad_(False)
     task = load_task(args.task, tokenizer, model_context(policy), gen.max_new_tokens)
     if args.fsdp and not torch.distributed.is_initialized():
@@ -1153,12 +1158,14 @@ def main(args: Args) -> None:
                     disable=rank != 0)
     t0 = time.time() - elapsed
     for iteration in progress:
+        # 8. Rollout: anneal the learning rate, take this process's share of the prompts, k samples of each.
         if args.anneal_lr:
             optimizer.param_groups[0]["lr"] = lr * (1 - (iteration - 1) / num_iterations)
         prompts = draw_rows(task, prompt_state, args.batch_size // hp.rloo_k, args.seed)
         rows = [r for r in prompts[rank * local_prompts:(rank + 1) * local_prompts] for _ in range(hp.rloo_k)]
         with autocast(hp.dtype, device):
             out = rollout(policy, tokenizer, rows, sample, gen.stop_strings, task)
+        # 9. Update: the scores (with a PRM, plus its aggregated step scores) go into one rloo_step.
         rewards = out["scores"]
         if out["process"] is not None:  # the PRM's step scores, aggregated per response
             agg = {"min": min, "mean": lambda x: sum(x) / len(x), "last": lambda x: x[-1]}[args.task.prm_aggregate]
@@ -1171,6 +1178,7 @@ def main(args: Args) -> None:
         except FloatingPointError as e:
             fail("--skip-nonfinite", False, f"{e} at iteration {iteration}: the run stops here, its last good "
                  "checkpoint kept; lower --learning-rate, check the rewards, or pass --skip-nonfinite")
+        # 10. Log: metrics averaged over processes, one row per iteration; greedy evaluation every --eval-every.
         episode += args.batch_size
         row = {"iteration": iteration, "episode": episode, "elapsed_s": round(time.time() - t0, 3),
                "lr": optimizer.param_groups[0]["lr"], **average_metrics(metrics, device)}
@@ -1182,6 +1190,7 @@ def main(args: Args) -> None:
         log_row(metrics_path, run, row, samples)
         progress.set_postfix(score=f"{row['objective/scores']:.3f}", kl=f"{row['objective/kl']:.3f}",
                              acc=row.get("task/accuracy", ""))
+        # 11. Checkpoint: policy, optimizer, random states and prompt position, written whole or not at all.
         if args.save_every and iteration % args.save_every == 0:
             rngs = [rng_states()] * world
             if world > 1:

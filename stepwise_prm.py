@@ -385,8 +385,10 @@ def prm_step(model, optimizer, batch: list[dict], *, pad_token_id: int, gradient
     this process's rows.
     """
     device = next(model.parameters()).device
+    # 1. The divisor: the labelled tokens of the whole batch, over all processes.
     labelled_here = sum(label != -100 for e in batch for label in e["labels"])
     n_labelled = global_sum(torch.tensor(float(labelled_here), device=device)).clamp(min=1) / world_size()
+    # 2. Micro-batches, each padded to its own longest row: summed cross-entropy / the divisor, gradients accumulated.
     micro = -(-len(batch) // gradient_accumulation_steps)
     total_loss = correct = tokens = real_tokens = bad = 0.0
     for start in range(0, len(batch), micro):
@@ -399,9 +401,11 @@ def prm_step(model, optimizer, batch: list[dict], *, pad_token_id: int, gradient
         total_loss, bad = total_loss + loss.item(), bad + (not math.isfinite(loss.item()))
         correct += (logits.argmax(-1) == mb["labels"])[labelled].sum().item()
         tokens, real_tokens = tokens + mb["attention_mask"].numel(), real_tokens + mb["attention_mask"].sum().item()
+    # 3. One optimizer step: gradients averaged over processes and clipped; NaN/inf stops (or skips) it.
     params = [p for g in optimizer.param_groups for p in g["params"]]
     taken = step_or_skip(optimizer, params, global_sum(torch.tensor(bad, device=device)) > 0, max_grad_norm,
                          skip_nonfinite)
+    # 4. Metrics over this process's rows (the caller averages them over processes).
     return {"train/loss": total_loss / max(labelled_here, 1), "train/step_accuracy": correct / max(labelled_here, 1),
             "train/pad_fraction": 1 - real_tokens / tokens, "train/tokens": float(real_tokens),
             "train/nonfinite_skipped": float(not taken)}
@@ -633,6 +637,7 @@ def main(args: Args) -> None:
                                                         "none to train on; lower it or give --eval-split")
         else:
             train_rows, eval_rows = train_rows[:-args.num_eval_rows], train_rows[-args.num_eval_rows:]
+    # 5. Tokenize: [BOS] prompt step sep step sep ..., each step's label on its last token, -100 elsewhere.
     tokenize = lambda row, last_only=False: tokenize_example(  # noqa: E731
         tokenizer, **row, step_separator=args.step_separator, max_length=args.max_length or context,
         max_completion_length=args.max_completion_length, train_on_last_step_only=last_only)
@@ -647,6 +652,7 @@ def main(args: Args) -> None:
     lr = args.learning_rate or (1e-3 if builtin else 1e-5)
     warmup_loss = None
     if builtin:
+        # 6. Built-in model: a causal-LM warm start on the all-correct solutions, then a fresh 2-label head.
         if warmup_steps and ckpt is None:  # every process runs the same warm start and gets the same weights
             eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []  # so that the LM stops
             solutions = [{"input_ids": e["input_ids"] + eos, "labels": e["labels"] + [-100] * len(eos)}
@@ -682,6 +688,7 @@ def main(args: Args) -> None:
     metrics_path, run = open_run(args, output_dir, start, run_name) if rank == 0 else (None, None)
     lengths, local = [len(e["input_ids"]) for e in train], args.batch_size // world
 
+    # 7. Held-out evaluation: step accuracy, wrong-step precision/recall/F1, solution accuracy, best-of-N.
     def evaluation() -> dict:
         with autocast(args.dtype, device):
             metrics = evaluate(model, evals[rank::world], tokenizer.pad_token_id, device)
@@ -696,6 +703,7 @@ def main(args: Args) -> None:
     progress = tqdm(range(start, args.total_steps + 1), initial=start - 1, total=args.total_steps, desc="prm",
                     disable=rank != 0)
     for iteration in progress:
+        # 8. Training: anneal the learning rate, a batch of rows of similar length, this process's share, prm_step.
         if args.anneal_lr:
             optimizer.param_groups[0]["lr"] = lr * (1 - (iteration - 1) / args.total_steps)
         rows = next_batch(lengths, data_state, args.batch_size, args.seed)[rank * local:(rank + 1) * local]
@@ -712,6 +720,7 @@ def main(args: Args) -> None:
             row.update(evaluation())
         log_row(metrics_path, run, row)
         progress.set_postfix(loss=f"{row['train/loss']:.3f}", f1=row.get("eval/wrong_step_f1", ""))
+        # 9. Checkpoint: model, optimizer, random states and data position, written whole or not at all.
         if args.save_every and iteration % args.save_every == 0:
             rngs = [rng_states()] * world
             if world > 1:
