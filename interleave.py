@@ -31,7 +31,7 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 import ppo
 import stepwise_prm
 from ppo import PPOHParams, TaskArgs, fail, ppo_step
-from rloo import RLOOHParams, rloo_step
+from rloo import RLOOHParams, rloo_step, sequence_rewards
 from stepwise_prm import prm_step
 
 PHASES = ("sft", "ppo", "rloo", "prm")
@@ -426,7 +426,11 @@ def main(args: Args) -> None:
                           if out["scores"][i] < tasks[phase]["args"].success_threshold}
                 failures = (failures + list(failed.values()))[-1024:]
             common = dict(hp=cfg.hp, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-            batch = (out["queries"], out["responses"], out["scores"], out["masks"])
+            if phase == "ppo":  # a PRM's step scores go in per token, as in ppo.py, or per response, as in rloo.py
+                rewards = ppo.token_rewards(out["scores"], out["masks"], out["process"], cfg.task.prm_weight)
+            else:
+                rewards = sequence_rewards(out["scores"], out["process"], cfg.task.prm_aggregate, cfg.task.prm_weight)
+            batch = (out["queries"], out["responses"], rewards, out["masks"])
             try:
                 metrics = ppo_step(policy, models["value"], ref_policy, optimizers["ppo"], *batch, **common) \
                     if phase == "ppo" else rloo_step(policy, ref_policy, optimizers["rloo"], *batch, **common)

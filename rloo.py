@@ -766,6 +766,15 @@ def rloo_advantages(rewards: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.
     return (grouped - baselines).flatten(), baselines.flatten()
 
 
+def sequence_rewards(scores: torch.Tensor, process: list | None, aggregate: str, weight: float) -> torch.Tensor:
+    """What rloo_step gets: the scores [B], plus weight x each response's PRM step scores aggregated by min, mean or
+    last (0 for a response with no steps)."""
+    if process is None:
+        return scores
+    agg = {"min": min, "mean": lambda x: sum(x) / len(x), "last": lambda x: x[-1]}[aggregate]
+    return scores + weight * torch.tensor([agg([p for _, p in steps]) if steps else 0.0 for steps in process])
+
+
 def shared_prefix_logprobs(policy, queries: torch.Tensor, responses: torch.Tensor, valid: torch.Tensor,
                            pad_token_id: int, temperature: float, with_entropy: bool = False,
                            entropy_grad: bool = False) -> tuple:
@@ -1166,11 +1175,7 @@ def main(args: Args) -> None:
         with autocast(hp.dtype, device):
             out = rollout(policy, tokenizer, rows, sample, gen.stop_strings, task)
         # 9. Update: the scores (with a PRM, plus its aggregated step scores) go into one rloo_step.
-        rewards = out["scores"]
-        if out["process"] is not None:  # the PRM's step scores, aggregated per response
-            agg = {"min": min, "mean": lambda x: sum(x) / len(x), "last": lambda x: x[-1]}[args.task.prm_aggregate]
-            steps = torch.tensor([agg([p for _, p in s]) if s else 0.0 for s in out["process"]])
-            rewards = rewards + args.task.prm_weight * steps
+        rewards = sequence_rewards(out["scores"], out["process"], args.task.prm_aggregate, args.task.prm_weight)
         try:
             metrics = rloo_step(policy, ref_policy, optimizer, out["queries"], out["responses"], rewards,
                                 out["masks"], hp=hp, pad_token_id=tokenizer.pad_token_id,

@@ -45,3 +45,17 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     ppo.build_tiny_model(tokenizer).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_prm_dir(tmp_path_factory) -> Path:
+    """A tiny two-label token classifier with the built-in tokenizer, saved as stepwise_prm.py saves its PRMs."""
+    import ppo
+
+    path = tmp_path_factory.mktemp("tiny_prm")
+    tokenizer = ppo.build_tokenizer()
+    config = ppo.build_tiny_model(tokenizer).config
+    config.num_labels = 2
+    ppo.AutoModelForTokenClassification.from_config(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

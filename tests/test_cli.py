@@ -192,20 +192,6 @@ def test_rloo_needs_two_samples_per_prompt(tmp_path):
     assert_one_line_error(result, "--rloo-k", "at least 2")
 
 
-@pytest.fixture(scope="module")
-def tiny_prm_dir(tmp_path_factory):
-    """A tiny two-label token classifier with the built-in tokenizer, saved as stepwise_prm.py saves its PRMs."""
-    import ppo
-
-    path = tmp_path_factory.mktemp("tiny_prm")
-    tokenizer = ppo.build_tokenizer()
-    config = ppo.build_tiny_model(tokenizer).config
-    config.num_labels = 2
-    ppo.AutoModelForTokenClassification.from_config(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_process_rewards_from_a_prm(script, tmp_path, tiny_prm_dir):
     result = run_script(script, *TINY, "--prompt-fn", "ppo:multistep_prompt", "--reward-fn", "ppo:multistep_reward",

@@ -137,6 +137,17 @@ def test_resume_in_the_middle_of_a_schedule(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.parametrize("phase", ["rloo", "ppo"])
+def test_rl_phase_with_a_prm_as_its_only_reward_trains_on_the_step_scores(phase, tmp_path, tiny_prm_dir):
+    result = run_script("interleave.py", "--phases", phase, *TINY, f"--{phase}.prompt-fn", "ppo:multistep_prompt",
+                        f"--{phase}.prm-model", tiny_prm_dir, "--max-new-tokens", "16",
+                        "--output-dir", tmp_path / "run")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    scores = [r[f"{phase}/objective/scores"] for r in rows if f"{phase}/objective/scores" in r]
+    assert scores and all(s > 0 for s in scores), scores  # a random PRM scores steps about 0.5, never exactly 0
+
+
 @pytest.mark.parametrize("args, flag, words", [
     (["--phases", "sft", "dpo"], "--phases", ["from ['sft', 'ppo', 'rloo', 'prm']"]),
     (["--phases", "sft", "sft"], "--phases", ["once"]),

@@ -28,6 +28,14 @@ def tiny_gpt2(tokenizer):
     return rloo.disable_dropout(AutoModelForCausalLM.from_config(config))
 
 
+def test_sequence_rewards_add_the_aggregated_step_scores():
+    scores = torch.tensor([1.0, 0.0, 0.5])
+    process = [[(3, 0.5), (7, 0.2)], [], [(4, 0.9)]]  # (token index where the step ends, PRM score)
+    for aggregate, expected in [("min", [1.1, 0.0, 0.95]), ("mean", [1.175, 0.0, 0.95]), ("last", [1.1, 0.0, 0.95])]:
+        torch.testing.assert_close(rloo.sequence_rewards(scores, process, aggregate, 0.5), torch.tensor(expected))
+    assert rloo.sequence_rewards(scores, None, "min", 0.5) is scores
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_shared_prefix_equals_forwarding_each_prompt_k_times(arch):
     torch.manual_seed(0)
