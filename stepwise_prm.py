@@ -659,7 +659,7 @@ def main(args: Args) -> None:
                          for e in (tokenize(r) for r in train_rows if all(r["labels"]))]
             if not solutions:
                 fail("--warmup-steps", warmup_steps, "no training row has every step correct; give 0")
-            warmup_loss = warm_start(lm.to(device), solutions, warmup_steps, lr, args.batch_size,
+            warmup_loss = warm_start(lm.to(device), solutions, warmup_steps, lr, min(args.batch_size, len(solutions)),
                                      tokenizer.pad_token_id, args.seed, progress=rank == 0)
             if rank == 0:  # a causal LM that writes solutions: a starting policy for RL on the same task
                 lm.save_pretrained(output_dir / "warmup_lm")

@@ -77,6 +77,13 @@ def test_local_jsonl_with_a_model_folder_and_the_saved_prm_in_use(tmp_path, tiny
     assert len(scores) == 2 and all(0.0 <= s <= 1.0 for s in scores)
 
 
+def test_built_in_model_on_a_file_with_fewer_correct_solutions_than_a_batch(tmp_path, data):
+    result = run_script("stepwise_prm.py", "--dataset", data / "steps.jsonl", *TINY_DATA, "--batch-size", "32",
+                        "--warmup-steps", "3", "--output-dir", tmp_path / "run")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "run" / "warmup_lm" / "config.json").exists()
+
+
 def test_dataset_folder_with_eval_split_last_step_only_truncation_and_accumulation(tmp_path, tiny_model_dir, data):
     result = run_script("stepwise_prm.py", "--model", tiny_model_dir, "--dataset", data / "folder", "--eval-split",
                         "test", "--train-on-last-step-only", "--max-length", "20", "--max-completion-length", "16",
