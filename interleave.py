@@ -35,6 +35,8 @@ from rloo import RLOOHParams, rloo_step, sequence_rewards
 from stepwise_prm import prm_step
 
 PHASES = ("sft", "ppo", "rloo", "prm")
+DEFAULT_LR_BUILTIN = {"sft": 1e-3, "ppo": 1e-3, "rloo": 1e-3, "prm": 3e-3}  # the tiny model, from random weights
+DEFAULT_LR_PRETRAINED = {"sft": 1e-5, "ppo": 3e-6, "rloo": 3e-6, "prm": 1e-5}  # as ppo.py, rloo.py, stepwise_prm.py
 # what each phase logs (under its own name: sft/loss, ppo/objective/scores, ...); tests check these against the steps
 LOGGED = {
     "sft": ["loss", "token_accuracy", "nonfinite_skipped"],
@@ -64,8 +66,9 @@ class Turn:
     """transitions schedule: move on once this holds, e.g. 'sft/loss<0.05' or 'task/accuracy>0.9'"""
     max_steps: int = 0
     """transitions schedule: move on after this many steps (0: no budget)"""
-    learning_rate: float = 1e-3
-    """learning rate of this phase's steps"""
+    learning_rate: float | None = None
+    """learning rate of this phase's steps (default: 1e-3, the PRM's 3e-3, on the built-in model; 1e-5 for SFT and
+    the PRM, 3e-6 for PPO and RLOO, on any other)"""
     batch_size: int = 64
     """rows (SFT, PRM) or responses (PPO, RLOO) per step"""
 
@@ -114,7 +117,7 @@ class RLOOPhase:
 class PRMPhase:
     """Trains a process reward model (stepwise_prm.py's prm_step) beside the policy, on its own optimizer."""
 
-    turn: Annotated[Turn, tyro.conf.arg(name="")] = field(default_factory=lambda: Turn(learning_rate=3e-3))
+    turn: Annotated[Turn, tyro.conf.arg(name="")] = field(default_factory=Turn)
     dataset: str | None = None
     """stepwise rows (prompt, completions, labels); default: the built-in multi-step arithmetic data"""
     dataset_split: str = "train"
@@ -359,6 +362,8 @@ def main(args: Args) -> None:
     def adamw(*mods):
         return torch.optim.AdamW([p for m in mods for p in m.parameters()], lr=1e-3, eps=1e-5)
 
+    defaults = DEFAULT_LR_BUILTIN if args.model == "builtin" else DEFAULT_LR_PRETRAINED
+    lrs = {p: getattr(args, p).turn.learning_rate or defaults[p] for p in args.phases}
     # 2. One AdamW for the policy's phases (each step sets its phase's learning rate), or one per phase.
     shared = adamw(policy, *([models["value"]] if "value" in models else []))
     optimizers = {p: shared if args.shared_optimizer else adamw(policy, *([models["value"]] if p == "ppo" else []))
@@ -400,7 +405,7 @@ def main(args: Args) -> None:
         cfg = getattr(args, phase)
         local = cfg.turn.batch_size // world
         for group in optimizers[phase].param_groups:
-            group["lr"] = cfg.turn.learning_rate * ((1 - (step - 1) / args.total_steps) if args.anneal_lr else 1)
+            group["lr"] = lrs[phase] * ((1 - (step - 1) / args.total_steps) if args.anneal_lr else 1)
         # 4. SFT: demonstrations, the RL phases' failures first when --sft.on-failures
         if phase == "sft":
             rows = ppo.draw_rows(sft_source, data["sft"], cfg.turn.batch_size, args.seed)
@@ -445,6 +450,7 @@ def main(args: Args) -> None:
                                pad_token_id=tokenizer.pad_token_id)
         # 7. Log: metrics under the phase's name (sft/loss, rloo/objective/kl, ...); evaluation every --eval-every.
         row = {"iteration": step, "phase": phase, "elapsed_s": round(time.time() - t0, 3),
+               "lr": optimizers[phase].param_groups[0]["lr"],
                **{f"{phase}/{k_}": v for k_, v in ppo.average_metrics(metrics, device).items()}}
         samples = None
         if step % args.eval_every == 0 or step == args.total_steps:

@@ -137,15 +137,31 @@ def test_resume_in_the_middle_of_a_schedule(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("phase", ["rloo", "ppo"])
-def test_rl_phase_with_a_prm_as_its_only_reward_trains_on_the_step_scores(phase, tmp_path, tiny_prm_dir):
-    result = run_script("interleave.py", "--phases", phase, *TINY, f"--{phase}.prompt-fn", "ppo:multistep_prompt",
-                        f"--{phase}.prm-model", tiny_prm_dir, "--max-new-tokens", "16",
-                        "--output-dir", tmp_path / "run")
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    scores = [r[f"{phase}/objective/scores"] for r in rows if f"{phase}/objective/scores" in r]
+def test_learning_rates_default_by_model_and_are_logged(tmp_path, tiny_model_dir):
+    for model, expected in [("builtin", {"sft": 1e-3, "rloo": 1e-3}), (tiny_model_dir, {"sft": 1e-5, "rloo": 3e-6})]:
+        out = tmp_path / ("builtin" if model == "builtin" else "folder")
+        result = run_script("interleave.py", "--model", model, "--phases", "sft", "rloo", *TINY, "--no-anneal-lr",
+                            "--output-dir", out)
+        assert result.returncode == 0, result.stderr[-3000:]
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        assert {r["phase"]: r["lr"] for r in rows if "lr" in r} == expected
+
+
+def test_rl_phases_with_a_prm_as_their_only_reward_train_on_its_step_scores(tmp_path, tiny_prm_dir):
+    def run(phase, weight):
+        out = tmp_path / f"{phase}-{weight}"
+        result = run_script("interleave.py", "--phases", phase, *TINY, f"--{phase}.prompt-fn", "ppo:multistep_prompt",
+                            f"--{phase}.prm-model", tiny_prm_dir, f"--{phase}.prm-weight", weight,
+                            "--max-new-tokens", "16", "--output-dir", out)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()], out
+    rows, _ = run("rloo", "1.0")  # rloo: each response's aggregated step score is its reward
+    scores = [r["rloo/objective/scores"] for r in rows if "rloo/objective/scores" in r]
     assert scores and all(s > 0 for s in scores), scores  # a random PRM scores steps about 0.5, never exactly 0
+    _, with_prm = run("ppo", "1.0")  # ppo: shaped per-token rewards that add up to 0 per response
+    _, without = run("ppo", "0.0")
+    a, b = (load_file(d / "model" / "model.safetensors") for d in (with_prm, without))
+    assert any(not torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.parametrize("args, flag, words", [
