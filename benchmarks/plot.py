@@ -36,6 +36,11 @@ def smooth(values: list[float], window: int) -> list[float]:
     return out
 
 
+def window(key: str, smoothing: int) -> int:
+    """Evaluations on the fixed held-out set (task/*, eval/*) are drawn as they are; training metrics smoothed."""
+    return 1 if key.startswith(("task/", "eval/")) else smoothing
+
+
 def phase_changes(rows: list[dict], x: str) -> list[tuple[float, str]]:
     """Where the logged `phase` changes: (x, new phase), the evaluation-only rows left out."""
     changes, last = [], None
@@ -55,7 +60,8 @@ def main() -> None:
     parser.add_argument("--keys", nargs="+", required=True, help="metrics to plot, one panel each")
     parser.add_argument("--x", default="episode", help="x axis: episode, iteration or elapsed_s")
     parser.add_argument("--labels", nargs="+", help="one legend label per file (default: the run folder's name)")
-    parser.add_argument("--smooth", type=int, default=1, help="moving-average window over logged points")
+    parser.add_argument("--smooth", type=int, default=1,
+                        help="moving-average window over logged points (not for task/* and eval/*)")
     parser.add_argument("--log-y", nargs="*", default=[], help="keys to draw on a log scale")
     parser.add_argument("--mark-phases", action="store_true", help="dotted lines where a run's phase changes")
     parser.add_argument("--title", default=None)
@@ -74,14 +80,14 @@ def main() -> None:
             rows = [r for r in read_rows(path) if key in r and args.x in r]
             if not rows:
                 continue
-            ys = smooth([r[key] for r in rows], args.smooth)
+            ys = smooth([r[key] for r in rows], window(key, args.smooth))
             ax.plot([r[args.x] for r in rows], ys, color=colours[label], alpha=0.8, lw=1.2,
                     label=None if label in seen else label)
             seen.add(label)
             if args.mark_phases:
                 for x, _ in phase_changes(read_rows(path), args.x):
                     ax.axvline(x, color=colours[label], ls=":", lw=0.8)
-        ax.set_title(key + (f" (moving average of {args.smooth})" if args.smooth > 1 else ""), fontsize=10)
+        ax.set_title(key + (f" (moving average of {args.smooth})" if window(key, args.smooth) > 1 else ""), fontsize=10)
         ax.set_xlabel(X_LABELS.get(args.x, args.x), fontsize=9)
         ax.tick_params(labelsize=8)
         ax.grid(alpha=0.3)

@@ -44,7 +44,9 @@ def trl_python() -> str:
     python = TRL_VENV / "bin" / "python"
     if not python.exists():
         subprocess.run([sys.executable, "-m", "venv", str(TRL_VENV)], check=True)
-        subprocess.run([str(python), "-m", "pip", "install", "-q", "torch==2.13.0", "trl==1.12.0"], check=True)
+        # requests: TRL 1.12's RLOO trainer imports it (through its vLLM client) without declaring it
+        subprocess.run([str(python), "-m", "pip", "install", "-q", "torch==2.13.0", "trl==1.12.0", "requests"],
+                       check=True)
     return str(python)
 
 
