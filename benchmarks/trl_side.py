@@ -2,13 +2,13 @@
 this project): trains TRL's PPOTrainer, RLOOTrainer or PRMTrainer on the shared artifacts with the benchmark's
 settings and prints one JSON line: per-iteration seconds, peak resident memory and, for the PRM, non-pad tokens.
 
-    benchmarks/.trl-venv/bin/python benchmarks/trl_side.py ppo|rloo|prm ITERATIONS ARTIFACTS [--bf16] [--task addition]
+    benchmarks/.trl-venv/bin/python benchmarks/trl_side.py ppo|rloo|prm ITERATIONS ARTIFACTS [--bf16]
+    benchmarks/.trl-venv/bin/python benchmarks/trl_side.py rloo-learn EPISODES MODEL_FOLDER SEED
 """
 
 import gc
 import json
 import os
-import resource
 import sys
 import time
 from pathlib import Path
@@ -42,7 +42,48 @@ def common(out: str, iterations: int, bf16: bool) -> dict:
                 seed=1, dataloader_num_workers=0, disable_tqdm=True)
 
 
+def learn(episodes: int, folder: Path, seed: int) -> None:
+    """TRL's RLOOTrainer on the built-in addition task, with ppo.py's prompts, reward function and evaluation set
+    (imported from ppo.py, so the two sides cannot drift apart); prints greedy accuracy on the 100 fixed sums."""
+    import functools
+    import random
+
+    from trl import RLOOConfig, RLOOTrainer
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    import ppo
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    rng = random.Random(seed)
+    ds = Dataset.from_list([ppo.addition_prompt(rng) for _ in range(episodes // 4)])
+    reward = functools.partial(ppo.addition_reward, tokenizer=tokenizer)
+    reward.__name__ = "addition_reward"
+    config = RLOOConfig(output_dir=f"/tmp/trl_learn_{seed}", report_to=[], logging_steps=10**6, save_strategy="no",
+                        use_cpu=True, seed=seed, dataloader_num_workers=0, disable_tqdm=True,
+                        per_device_train_batch_size=256, num_generations=4, max_completion_length=4,
+                        temperature=1.0, top_k=0, learning_rate=1e-3, lr_scheduler_type="linear", adam_epsilon=1e-5,
+                        weight_decay=0.01, max_grad_norm=1.0, beta=0.05, num_iterations=1, num_train_epochs=1)
+    trainer = RLOOTrainer(model=str(folder), reward_funcs=reward, args=config, train_dataset=ds,
+                          processing_class=tokenizer)
+    start = time.perf_counter()
+    trainer.train()
+    seconds = time.perf_counter() - start
+    model, rows = trainer.model.eval(), ppo.addition_eval_rows()
+    tokenizer.padding_side = "left"
+    batch = tokenizer([r["prompt"] for r in rows], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        out = model.generate(**batch, do_sample=False, max_new_tokens=4, pad_token_id=tokenizer.pad_token_id,
+                             eos_token_id=tokenizer.eos_token_id)[:, batch["input_ids"].shape[1]:]
+    ids = [[t for t in row.tolist() if t != tokenizer.pad_token_id] for row in out]
+    ids = [row[:row.index(tokenizer.eos_token_id) + 1] if tokenizer.eos_token_id in row else row for row in ids]
+    scores = ppo.addition_reward(None, tokenizer.batch_decode(ids, skip_special_tokens=True), ids,
+                                 [r["answer"] for r in rows], tokenizer)
+    print(json.dumps({"accuracy": sum(s == 1.0 for s in scores) / len(rows), "seconds": seconds}))
+
+
 def main() -> None:
+    if sys.argv[1] == "rloo-learn":
+        return learn(int(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]))
     algo, iterations, art = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
     bf16 = "--bf16" in sys.argv
     out = f"/tmp/trl_{algo}"
@@ -92,7 +133,10 @@ def main() -> None:
     gc.collect()
     trainer.train()
     times = [b - a for a, b in zip(timer.stamps, timer.stamps[1:])]
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    # VmHWM: this process image's peak resident set. (getrusage's ru_maxrss also keeps the peak of the process
+    # before exec, here the benchmark's parent with its models loaded, copied by fork.)
+    peak = next(int(line.split()[1]) for line in Path("/proc/self/status").read_text().splitlines()
+                if line.startswith("VmHWM:")) / 1024
     print(json.dumps({"times": times, "peak_rss_mb": peak, "torch_threads": torch.get_num_threads(), **extra}))
 
 

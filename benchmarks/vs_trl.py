@@ -6,12 +6,12 @@ tokens, temperature 1.0; PPO 4 epochs, 1 mini-batch, forward chunks of 32; RLOO 
 PRM batches of 16 rows of 3-4 arithmetic steps, max length 256. TRL is installed by this script into its own
 virtual environment (benchmarks/.trl-venv), never into the project's.
 
-    python benchmarks/vs_trl.py                         # the whole table, fp32 (about 20 minutes on 2 cores)
+    python benchmarks/vs_trl.py                         # the whole table, fp32 (about 5 minutes on 2 cores)
     python benchmarks/vs_trl.py --only ppo --dtype bf16 --rounds 1
-    python benchmarks/vs_trl.py --learning              # also learning at equal episodes on the built-in task
+    python benchmarks/vs_trl.py --learning --seeds 1 2   # RLOO on the built-in task against TRL's RLOOTrainer
 
 Each pair runs alternately (ours, TRL, ours, TRL, ...) so that machine noise hits both; per-iteration seconds are
-medians after warm-up; peak memory is the process's peak resident set.
+medians after warm-up; peak memory is the peak resident set (VmHWM) of each side's training process.
 """
 
 import argparse
@@ -33,8 +33,10 @@ import artifacts  # noqa: E402
 import ppo  # noqa: E402
 
 TRL_VENV = ROOT / "benchmarks" / ".trl-venv"
-PEAK = ("import atexit, resource, runpy, sys; atexit.register(lambda: print('PEAK_RSS_MB', "
-        "resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)); sys.argv = sys.argv[1:]; "
+# peak resident set of the script's own process image (VmHWM); getrusage's ru_maxrss would also keep the peak of
+# the process before exec: this benchmark's parent, models loaded, copied by fork
+PEAK = ("import atexit, runpy, sys; atexit.register(lambda: print('PEAK_RSS_MB', next(int(l.split()[1]) for l in "
+        "open('/proc/self/status') if l.startswith('VmHWM:')) / 1024)); sys.argv = sys.argv[1:]; "
         "runpy.run_path(sys.argv[0], run_name='__main__')")
 WARMUP = 2  # iterations dropped from each run before taking the median
 
@@ -44,8 +46,9 @@ def trl_python() -> str:
     python = TRL_VENV / "bin" / "python"
     if not python.exists():
         subprocess.run([sys.executable, "-m", "venv", str(TRL_VENV)], check=True)
-        # requests: TRL 1.12's RLOO trainer imports it (through its vLLM client) without declaring it
-        subprocess.run([str(python), "-m", "pip", "install", "-q", "torch==2.13.0", "trl==1.12.0", "requests"],
+        # requests: TRL 1.12's RLOO trainer imports it (its vLLM client) undeclared; tyro: trl_side imports ppo.py
+        subprocess.run([str(python), "-m", "pip", "install", "-q", "torch==2.13.0", "trl==1.12.0", "requests",
+                        "tyro==1.0.17"],
                        check=True)
     return str(python)
 
@@ -152,6 +155,32 @@ def generation_speed(art: Path, repeats: int = 5) -> tuple[float, float]:
     return result[0], result[1]
 
 
+def learning(seeds: list[int], episodes: int) -> list[str]:
+    """rloo.py against TRL's RLOOTrainer on the built-in addition task: the same random-init tiny model, prompts,
+    reward function (ppo.addition_reward), k = 4, 256 responses per update, learning rate 1e-3 annealed linearly,
+    KL coefficient 0.05 in the reward, 4 new tokens; greedy accuracy on the 100 fixed sums after `episodes`."""
+    folder = artifacts.CACHE / "builtin_policy"
+    if not (folder / "config.json").exists():
+        tokenizer = ppo.build_tokenizer()
+        torch.manual_seed(0)
+        ppo.build_tiny_model(tokenizer).save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    lines = ["| seed | episodes | rloo.py greedy accuracy | rloo.py seconds | TRL RLOOTrainer greedy accuracy | "
+             "TRL seconds |", "| --- | --- | --- | --- | --- | --- |"]
+    for seed in seeds:
+        out = Path(f"/tmp/learn_ours_{seed}")
+        run([sys.executable, "rloo.py", "--model", str(folder), "--learning-rate", "1e-3", "--max-new-tokens", "4",
+             "--total-episodes", str(episodes), "--seed", str(seed), "--eval-every", "100000", "--output-dir",
+             str(out)], env={"HF_HUB_OFFLINE": "1"})
+        final = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+        theirs_ = json.loads(run([trl_python(), str(ROOT / "benchmarks" / "trl_side.py"), "rloo-learn",
+                                  str(episodes), str(folder), str(seed)]).strip().splitlines()[-1])
+        lines.append(f"| {seed} | {episodes:,} | {final['task/accuracy']:.2f} | {final['elapsed_s']:.0f} | "
+                     f"{theirs_['accuracy']:.2f} | {theirs_['seconds']:.0f} |")
+        print(lines[-1], flush=True)
+    return lines
+
+
 def median_after_warmup(times_lists: list[list[float]]) -> float:
     return statistics.median([t for times in times_lists for t in times[WARMUP:]])
 
@@ -163,7 +192,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="alternating runs of each side")
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--compile", action="store_true", help="our scripts with --compile")
+    parser.add_argument("--learning", action="store_true", help="only the learning comparison (RLOO, built-in task)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1], help="seeds of the learning comparison")
+    parser.add_argument("--episodes", type=int, default=64_000, help="episodes of the learning comparison")
     args = parser.parse_args()
+    if args.learning:
+        print("\n".join(learning(args.seeds, args.episodes)))
+        return
     art = artifacts.build()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, dtype {args.dtype}"
           f"{', --compile' if args.compile else ''}; artifacts in {art}")
