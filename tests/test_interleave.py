@@ -108,7 +108,7 @@ def test_each_recipe_runs(recipe, tmp_path):
     assert [r["iteration"] for r in rows] == list(range(7))
     args = interleave.RECIPES[recipe][1]
     assert {r["phase"] for r in rows[1:]} <= set(args.phases)
-    assert all(k in ("iteration", "phase", "elapsed_s") or k.split("/")[0] in (r["phase"], "task", "eval")
+    assert all(k in ("iteration", "phase", "elapsed_s", "lr") or k.split("/")[0] in (r["phase"], "task", "eval")
                for r in rows for k in r)  # metrics are namespaced by the phase that logged them
     assert (tmp_path / "run" / "model" / "config.json").exists()
 
