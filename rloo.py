@@ -1217,6 +1217,7 @@ def main(args: Args) -> None:
     if run is not None:
         run.finish()
     if torch.distributed.is_initialized():
+        torch.distributed.barrier()  # no process tears the group down while another still uses it (saving)
         torch.distributed.destroy_process_group()
 
 
