@@ -16,6 +16,7 @@ The phases call the step functions of the other scripts (`ppo_step`, `rloo_step`
 
 import copy
 import json
+import os
 import random
 import sys
 import time
@@ -494,3 +495,7 @@ if __name__ == "__main__":
     main(tyro.extras.overridable_config_cli(RECIPES, args=argv, description="Alternate SFT, PPO, RLOO and PRM steps "
                                             "on one shared policy. Name a recipe, then override any setting; with no "
                                             "recipe named, 'interleaved' runs."))
+    if "LOCAL_RANK" in os.environ:  # under torchrun: all is saved and the group torn down; skip interpreter
+        sys.stdout.flush()          # teardown, where gloo's leftover threads can abort the process (SIGABRT)
+        sys.stderr.flush()
+        os._exit(0)

@@ -1267,3 +1267,7 @@ def main(args: Args) -> None:
 
 if __name__ == "__main__":
     main(tyro.cli(Args))
+    if "LOCAL_RANK" in os.environ:  # under torchrun: all is saved and the group torn down; skip interpreter
+        sys.stdout.flush()          # teardown, where gloo's leftover threads can abort the process (SIGABRT)
+        sys.stderr.flush()
+        os._exit(0)

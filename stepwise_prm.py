@@ -25,6 +25,7 @@ import math
 import os
 import random
 import shutil
+import sys
 import time
 import zlib
 from dataclasses import asdict, dataclass
@@ -749,3 +750,7 @@ def main(args: Args) -> None:
 
 if __name__ == "__main__":
     main(tyro.cli(Args))
+    if "LOCAL_RANK" in os.environ:  # under torchrun: all is saved and the group torn down; skip interpreter
+        sys.stdout.flush()          # teardown, where gloo's leftover threads can abort the process (SIGABRT)
+        sys.stderr.flush()
+        os._exit(0)

@@ -4,6 +4,7 @@ the processes (plain data parallel, or FSDP2 with --fsdp); rank 0 saves the resu
     torchrun --nproc_per_node 2 tests/dist_one_step.py ppo out.pt [--fsdp]
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -49,8 +50,13 @@ def main(algo: str, out: str, fsdp: bool) -> None:
     if rank == 0:
         torch.save(weights, out)
     if torch.distributed.is_initialized():
+        torch.distributed.barrier()  # as the scripts do: no process tears the group down while another still uses it
         torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], "--fsdp" in sys.argv)
+    if "LOCAL_RANK" in os.environ:  # under torchrun: all is saved and the group torn down; skip interpreter
+        sys.stdout.flush()          # teardown, where gloo's leftover threads can abort the process (SIGABRT)
+        sys.stderr.flush()
+        os._exit(0)
