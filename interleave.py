@@ -32,7 +32,7 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 import ppo
 import stepwise_prm
 from ppo import PPOHParams, TaskArgs, fail, ppo_step
-from rloo import RLOOHParams, rloo_step, sequence_rewards
+from rloo import RLOOHParams, kl_estimator_for, rloo_step, sequence_rewards
 from stepwise_prm import prm_step
 
 PHASES = ("sft", "ppo", "rloo", "prm")
@@ -53,6 +53,7 @@ LOGGED = {
     "prm": ["train/loss", "train/step_accuracy", "train/pad_fraction", "train/tokens", "train/nonfinite_skipped"],
 }
 EVAL_METRICS = ["task/accuracy", "eval/scores"]
+COUNTS = ("val/num_eos_tokens", "train/tokens")  # per-process counts: summed over processes, the other metrics averaged
 
 
 @dataclass
@@ -125,6 +126,8 @@ class PRMPhase:
     """split of --prm.dataset"""
     step_separator: str = "\n"
     """appended to every step; the label sits on its last token"""
+    skip_nonfinite: bool = False
+    """skip (and count) a step whose loss or gradient norm is NaN/inf, instead of stopping the run"""
 
 
 @dataclass
@@ -222,14 +225,20 @@ def schedule(args: Args, step: int, state: dict, recent: dict[str, float]) -> tu
 
 
 def check_args(args: Args) -> None:
-    """Validate the schedule before any model is loaded; one line per problem."""
+    """Validate the schedule before any model is loaded; one line per problem. The number of processes comes from
+    torchrun's WORLD_SIZE, as the process group does not exist yet."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     unknown = [p for p in args.phases if p not in PHASES]
     if unknown or not args.phases or len(set(args.phases)) != len(args.phases):
         fail("--phases", list(args.phases), f"name each phase once, from {list(PHASES)}")
     for p in args.phases:
         turn = getattr(args, p).turn
-        if turn.steps < 1 or turn.batch_size < 1 or turn.max_steps < 0:
-            fail(f"--{p}.steps", turn.steps, "steps per turn, batch size and step budget must be positive")
+        if turn.steps < 1:
+            fail(f"--{p}.steps", turn.steps, "steps per turn must be positive")
+        if turn.max_steps < 0:
+            fail(f"--{p}.max-steps", turn.max_steps, "a step budget must be positive, or 0 for none")
+        if turn.batch_size < 1 or turn.batch_size % world:
+            fail(f"--{p}.batch-size", turn.batch_size, f"must be positive and divisible by {world} process(es)")
         if turn.weight <= 0 and args.schedule == "weighted":
             fail(f"--{p}.weight", turn.weight, "weights must be positive, or the phase never runs")
         if turn.until:
@@ -251,9 +260,14 @@ def check_args(args: Args) -> None:
     for p in ("ppo", "rloo"):
         if p in args.phases:
             ppo.check_task(getattr(args, p).task)
-    if "rloo" in args.phases and args.rloo.turn.batch_size % args.rloo.hp.rloo_k:
+    if "rloo" in args.phases:
+        try:
+            kl_estimator_for(args.rloo.hp)
+        except ValueError as e:
+            fail("--rloo.kl-estimator", args.rloo.hp.kl_estimator, str(e))
+    if "rloo" in args.phases and args.rloo.turn.batch_size % (args.rloo.hp.rloo_k * world):
         fail("--rloo.batch-size", args.rloo.turn.batch_size, f"must be divisible by --rloo.rloo-k "
-                                                              f"({args.rloo.hp.rloo_k})")
+             f"({args.rloo.hp.rloo_k}) x {world} process(es): each process samples whole groups of k")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -306,9 +320,6 @@ def main(args: Args) -> None:
     rl = [p for p in args.phases if p in ("ppo", "rloo")]
     builtin = not rl or all(ppo.check_task(getattr(args, p).task) for p in rl)
     args.gen.max_new_tokens = args.gen.max_new_tokens or (4 if builtin else 64)
-    for p in args.phases:
-        if getattr(args, p).turn.batch_size % world:
-            fail(f"--{p}.batch-size", getattr(args, p).turn.batch_size, f"must be divisible by {world} process(es)")
     if args.resume and args.resume != "latest" and args.output_dir is None:
         args.output_dir = str(Path(args.resume).parent.parent)
     run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
@@ -333,7 +344,8 @@ def main(args: Args) -> None:
         models["prm"] = AutoModelForTokenClassification.from_config(config)
         models["prm"].load_state_dict(policy.state_dict(), strict=False)
     context = ppo.model_context(policy)
-    tasks = {p: ppo.load_task(getattr(args, p).task, tokenizer, context, args.gen.max_new_tokens) for p in rl}
+    tasks = {p: ppo.load_task(getattr(args, p).task, tokenizer, context, args.gen.max_new_tokens,
+                              args.trust_remote_code) for p in rl}
     eval_task = tasks[rl[0]] if rl else ppo.load_task(TaskArgs(), tokenizer, context, args.gen.max_new_tokens)
     if args.sft.dataset:
         demos = ppo.load_prompt_dataset(args.sft.dataset, args.sft.dataset_split, args.sft.prompt_column)
@@ -376,10 +388,10 @@ def main(args: Args) -> None:
     random.seed(args.seed + rank)
     torch.manual_seed(args.seed + rank)
     start, elapsed, sched, failures = 0, 0.0, {"index": 0, "steps": 0}, []
-    data = {p: {"epoch": 0, "pos": 0, "rng": random.Random(args.seed + i)} for i, p in enumerate(PHASES)}
+    data = {p: {"epoch": 0, "pos": 0, "rng": random.Random(args.seed + i).getstate()} for i, p in enumerate(PHASES)}
     recent: dict[str, float] = {}
     if ckpt is not None:
-        state = torch.load(ckpt / "state.pt", weights_only=False)
+        state = ppo.load_state(ckpt)
         for p, opt in optimizers.items():
             ppo.load_optimizer_state(opt, state["optimizers"][p])
         ppo.set_rng_states(state["rng"][rank % len(state["rng"])])
@@ -388,6 +400,8 @@ def main(args: Args) -> None:
     metrics_path, run = ppo.open_run(args, output_dir, start, run_name) if rank == 0 else (None, None)
     samplers = {p: ppo.generation_configs(args.gen, tokenizer, getattr(args, p).hp.temperature)[0] for p in rl}
     greedy = ppo.generation_configs(args.gen, tokenizer, 1.0)[1]
+    if rank == 0 and ppo.off_policy_note(args.gen):
+        print(ppo.off_policy_note(args.gen))
 
     def evaluate() -> tuple[dict, list]:
         return ppo.evaluate(policy, tokenizer, eval_task, greedy, args.gen.stop_strings, rank, world)
@@ -447,19 +461,23 @@ def main(args: Args) -> None:
         else:
             order = torch.randperm(len(prm_examples), generator=torch.Generator().manual_seed(args.seed + step))
             batch = [prm_examples[i] for i in order[:cfg.turn.batch_size].tolist()][rank * local:(rank + 1) * local]
-            metrics = prm_step(models["prm"], optimizers["prm"], sorted(batch, key=lambda e: len(e["input_ids"])),
-                               pad_token_id=tokenizer.pad_token_id)
+            try:
+                metrics = prm_step(models["prm"], optimizers["prm"], sorted(batch, key=lambda e: len(e["input_ids"])),
+                                   pad_token_id=tokenizer.pad_token_id, skip_nonfinite=cfg.skip_nonfinite)
+            except FloatingPointError as e:
+                fail("--prm.skip-nonfinite", False, f"{e} at step {step}: the run stops here, its last good "
+                     "checkpoint kept; lower --prm.learning-rate, check the data, or pass the flag")
         # 7. Log: metrics under the phase's name (sft/loss, rloo/objective/kl, ...); evaluation every --eval-every.
         row = {"iteration": step, "phase": phase, "elapsed_s": round(time.time() - t0, 3),
                "lr": optimizers[phase].param_groups[0]["lr"],
-               **{f"{phase}/{k_}": v for k_, v in ppo.average_metrics(metrics, device).items()}}
+               **{f"{phase}/{k_}": v for k_, v in ppo.average_metrics(metrics, device, COUNTS).items()}}
         samples = None
         if step % args.eval_every == 0 or step == args.total_steps:
             eval_metrics, samples = evaluate()
             row.update(eval_metrics)
         recent.update({k_: v for k_, v in row.items() if isinstance(v, float)})
         ppo.log_row(metrics_path, run, row, samples)
-        progress.set_postfix(phase=phase, acc=row.get("task/accuracy", ""))
+        progress.set_postfix(phase=phase, acc=f"{recent['task/accuracy']:.3f}")  # the last evaluation's
         # 8. Checkpoint: models, optimizers, random states, schedule state, failures and data positions.
         if args.save_every and step % args.save_every == 0:
             rngs = [ppo.rng_states()] * world

@@ -11,13 +11,17 @@ Custom loops (tool use, dense or process rewards) import `ppo_step` and call it 
 rewards and masks; `main()` below is one such loop.
 """
 
+import bisect
 import copy
 import functools
 import importlib
 import importlib.util
+import inspect
 import json
 import math
+import numbers
 import os
+import pickle
 import random
 import shutil
 import sys
@@ -41,12 +45,14 @@ from transformers import (
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
     AutoTokenizer,
+    CompileConfig,
     GenerationConfig,
     LlamaConfig,
+    LlamaForCausalLM,
     PreTrainedTokenizerFast,
+    StaticCache,
     StoppingCriteriaList,
 )
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 
 @dataclass
@@ -56,7 +62,8 @@ class PPOHParams:
     kl_coef: float = 0.05
     """weight of the per-token KL penalty that is folded into the reward"""
     kl_estimator: Literal["k1", "k3"] = "k1"
-    """k1: logp - ref_logp; k3: exp(r) - 1 - r with r = ref_logp - logp (never negative)"""
+    """per-token KL in the reward, where its value counts: k1 = logp - ref_logp; k3 = exp(r) - 1 - r with
+    r = ref_logp - logp (never negative); both estimate KL(policy || reference) without bias"""
     temperature: float = 1.0
     """sampling temperature; the logprobs are computed from logits divided by it"""
     cliprange: float = 0.2
@@ -86,8 +93,8 @@ class PPOHParams:
     skip_nonfinite: bool = False
     """skip (and count) a mini-batch whose loss or gradient norm is NaN/inf, instead of stopping the run"""
     dtype: Literal["fp32", "bf16"] = "fp32"
-    """compute dtype of the forward passes: bf16 runs them under autocast (weights, gradients and optimizer state
-    stay fp32)"""
+    """compute dtype of the forward passes: bf16 runs them under autocast, all but the policy's output layer (its
+    logits stay fp32: see fp32_output_layer); weights, gradients and optimizer state stay fp32"""
 
 
 @dataclass
@@ -97,22 +104,24 @@ class GenArgs:
     max_new_tokens: int | None = None
     """most tokens per response (default: 4 for the built-in task, 64 otherwise)"""
     min_new_tokens: int = 0
-    """fewest tokens per response: EOS cannot end it sooner"""
+    """fewest tokens per response: EOS cannot end it sooner (like the four filters below, it changes what is
+    sampled, while the update's logprobs are the plain temperature softmax's: the update becomes off-policy)"""
     top_k: int = 0
-    """sample among the k most likely tokens (0: off)"""
+    """sample among the k most likely tokens (0: off; off-policy, see --min-new-tokens)"""
     top_p: float = 1.0
-    """nucleus sampling (1.0: off)"""
+    """nucleus sampling (1.0: off; off-policy, see --min-new-tokens)"""
     min_p: float = 0.0
-    """drop tokens below min_p times the top probability (0: off)"""
+    """drop tokens below min_p times the top probability (0: off; off-policy, see --min-new-tokens)"""
     repetition_penalty: float = 1.0
-    """repetition penalty (1.0: off)"""
+    """repetition penalty (1.0: off; off-policy, see --min-new-tokens)"""
     stop_strings: list[str] = field(default_factory=list)
     """end a response after the first of these strings (kept in the response)"""
 
 
 @dataclass
 class TaskArgs:
-    """Where prompts come from and how responses are scored; with none of these, the built-in task."""
+    """Where prompts come from and how responses are scored; with no prompt source, the built-in task's prompts (and,
+    with no reward either, its reward)."""
 
     dataset: str | None = None
     """prompt source: a hub dataset id, or a local json/jsonl/parquet/csv file or folder"""
@@ -189,7 +198,7 @@ class Args:
     resume: str | None = None
     """continue from a checkpoint folder (.../checkpoints/iter_000100), or 'latest' in --output-dir"""
     compile: bool = False
-    """wrap the models' forward passes with torch.compile"""
+    """torch.compile the models' forward passes and the decode loop's one-token step (CUDA graphs on a GPU)"""
     fsdp: bool = False
     """shard the policy, value, reference and reward models over the processes with FSDP2 (under torchrun)"""
     task: Annotated[TaskArgs, tyro.conf.arg(name="")] = field(default_factory=TaskArgs)
@@ -310,6 +319,9 @@ def load_pretrained(auto_cls, name: str, flag: str, trust_remote_code: bool = Fa
     try:
         return auto_cls.from_pretrained(name, trust_remote_code=trust_remote_code, **kwargs)
     except (OSError, ValueError) as e:
+        if "trust_remote_code=True" in str(e) and not trust_remote_code:
+            fail(flag, name, "its model code comes with it (auto_map in its config.json), and runs when loaded; pass "
+                             "--trust-remote-code if you trust that code")
         hint = "no such folder, and" if not os.path.isdir(name) else "the folder exists but"
         fail(flag, name, f"{hint} it cannot be loaded ({str(e).splitlines()[0][:120]}); give a folder written by "
                          "save_pretrained or a Hugging Face id (offline runs need a local folder)")
@@ -319,14 +331,30 @@ def load_policy(name: str, trust_remote_code: bool) -> tuple:
     """Tokenizer (left padding, a pad token) and causal LM: the built-in pair, or any Hugging Face id or folder."""
     if name == "builtin":
         tokenizer = build_tokenizer()
-        return tokenizer, build_tiny_model(tokenizer)
+        return tokenizer, fp32_output_layer(build_tiny_model(tokenizer))
     tokenizer = load_pretrained(AutoTokenizer, name, "--model", trust_remote_code)
-    policy = load_pretrained(AutoModelForCausalLM, name, "--model", trust_remote_code)
+    # fp32 weights whatever the checkpoint's dtype: in bf16, most of AdamW's small steps would round away
+    policy = load_pretrained(AutoModelForCausalLM, name, "--model", trust_remote_code, dtype=torch.float32)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     policy.config.pad_token_id = tokenizer.pad_token_id
-    return tokenizer, policy
+    return tokenizer, fp32_output_layer(policy)
+
+
+def fp32_output_layer(model: torch.nn.Module) -> torch.nn.Module:
+    """Make the model's output layer (lm_head) compute in fp32 under bf16 autocast too; a no-op in fp32. Autocast
+    would round the logits to bf16 (3 significant digits): logits of 10 are then off by up to 0.03, and so are the
+    logprobs whose differences make the ratios and the KL, and sampling draws from a rounded softmax. Only this
+    matmul moves to fp32; the model's own forward runs as before (MiniMax-M1, arXiv:2506.13585, found its bf16 LM
+    head to be where training and inference probabilities parted)."""
+    def forward(head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(hidden.device.type, enabled=False):
+            return type(head).forward(head, hidden.float())
+
+    head = model.get_output_embeddings()
+    head.forward = functools.partial(forward, head)  # deepcopy(model) binds the copy's to the copied head
+    return model
 
 
 def model_context(model) -> int:
@@ -335,14 +363,12 @@ def model_context(model) -> int:
 
 
 def check_task(task: TaskArgs) -> bool:
-    """Validate a task's flags before anything is loaded; True when it is the built-in task."""
+    """Validate a task's flags before anything is loaded; True when its prompts are the built-in task's (no --dataset
+    or --prompt-fn: a reward of your own then scores the built-in sums, whose rows carry their 'answer')."""
     has_prompts = bool(task.dataset or task.prompt_fn)
     has_reward = bool(task.reward_fn or task.reward_model or task.prm_model)
     if task.dataset and task.prompt_fn:
         fail("--prompt-fn", task.prompt_fn, "give one prompt source: --dataset or --prompt-fn, not both")
-    if has_reward and not has_prompts:
-        fail("--dataset", None, "your reward needs prompts: give --dataset or --prompt-fn (the built-in task applies "
-                                "only when no reward is given; its prompt function is this script's addition_prompt)")
     if has_prompts and not has_reward:
         fail("--reward-fn", [], "these prompts need a reward: give --reward-fn and/or --reward-model")
     if task.reward_weights is not None and len(task.reward_weights) != len(task.reward_fn):
@@ -368,12 +394,17 @@ def load_prompt_dataset(path: str, split: str, column: str) -> datasets.Dataset:
     return ds.rename_column(column, "prompt") if column != "prompt" else ds
 
 
-def check_row(row: Any, spec: str | None) -> dict:
-    """A prompt row must be a dict with a 'prompt'."""
-    if not isinstance(row, dict) or "prompt" not in row:
-        fail("--prompt-fn", spec, f"returned {str(row)[:60]!r}; return a dict with a 'prompt' key (and any extra "
-                                  "columns for the reward functions)")
-    return row
+def check_rows(rows: list, spec: str | None) -> list[dict]:
+    """Rows from a prompt function: each a dict with a 'prompt', all with the same keys (each key other than
+    'prompt' becomes a column that the reward functions receive, one value per row)."""
+    for row in rows:
+        if not isinstance(row, dict) or "prompt" not in row:
+            fail("--prompt-fn", spec, f"returned {str(row)[:60]!r}; return a dict with a 'prompt' key (and any extra "
+                                      "columns for the reward functions)")
+        if row.keys() != rows[0].keys():
+            fail("--prompt-fn", spec, f"returned rows with different keys ({sorted(rows[0])} and {sorted(row)}); "
+                                      "return the same keys in every row (None where a column has no value)")
+    return rows
 
 
 def render_prompt(tokenizer, prompt: str | list) -> list[int]:
@@ -386,8 +417,9 @@ def render_prompt(tokenizer, prompt: str | list) -> list[int]:
     return tokenizer(text, add_special_tokens=False).input_ids
 
 
-def load_task(task: TaskArgs, tokenizer, context: int, max_new_tokens: int) -> dict:
-    """Prompt source, fixed evaluation rows and scorers of a task (validated by check_task)."""
+def load_task(task: TaskArgs, tokenizer, context: int, max_new_tokens: int, trust_remote_code: bool = False) -> dict:
+    """Prompt source, fixed evaluation rows and scorers of a task (validated by check_task); the reward model and the
+    PRM are loaded with --trust-remote-code as given."""
     if task.dataset:
         source = load_prompt_dataset(task.dataset, task.dataset_split, task.prompt_column)
         evals = load_prompt_dataset(task.dataset, task.eval_split, task.prompt_column) if task.eval_split else source
@@ -400,24 +432,28 @@ def load_task(task: TaskArgs, tokenizer, context: int, max_new_tokens: int) -> d
     elif task.prompt_fn:
         source = load_callable(task.prompt_fn, "--prompt-fn")
         eval_rng = random.Random(0)  # the same evaluation prompts for every seed
-        eval_rows = [check_row(source(eval_rng), task.prompt_fn) for _ in range(task.num_eval_prompts)]
-    else:
+        eval_rows = check_rows([source(eval_rng) for _ in range(task.num_eval_prompts)], task.prompt_fn)
+    else:  # the built-in task's prompts, scored by the built-in reward or by yours
         source, eval_rows = addition_prompt, addition_eval_rows()
+        scorers = [*task.reward_fn, *filter(None, [task.reward_model, task.prm_model])]
+        if scorers and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
+            print(f"note: no --dataset or --prompt-fn, so {' '.join(scorers)} scores the built-in task's prompts: "
+                  "single-digit sums like '3+4=', each row with its 'answer' for a reward function to read")
     reward_fns = [(spec, load_callable(spec, "--reward-fn")) for spec in task.reward_fn]
     if not (task.reward_fn or task.reward_model or task.prm_model):
         reward_fns = [("builtin:addition_reward", functools.partial(addition_reward, tokenizer=tokenizer))]
     prm = prm_tokenizer = None
     if task.prm_model:
-        prm_tokenizer = load_pretrained(AutoTokenizer, task.prm_model, "--prm-model")
-        prm = load_pretrained(AutoModelForTokenClassification, task.prm_model, "--prm-model",
+        prm_tokenizer = load_pretrained(AutoTokenizer, task.prm_model, "--prm-model", trust_remote_code)
+        prm = load_pretrained(AutoModelForTokenClassification, task.prm_model, "--prm-model", trust_remote_code,
                               num_labels=2).eval().requires_grad_(False)
         if prm_tokenizer.unk_token_id in prm_tokenizer(task.prm_separator, add_special_tokens=False).input_ids:
             fail("--prm-separator", task.prm_separator, "the PRM's tokenizer cannot encode it; use its step separator")
     reward_model = rm_tokenizer = None
     if task.reward_model:
-        rm_tokenizer = load_pretrained(AutoTokenizer, task.reward_model, "--reward-model")
+        rm_tokenizer = load_pretrained(AutoTokenizer, task.reward_model, "--reward-model", trust_remote_code)
         reward_model = load_pretrained(AutoModelForSequenceClassification, task.reward_model, "--reward-model",
-                                       num_labels=1).eval().requires_grad_(False)
+                                       trust_remote_code, num_labels=1).eval().requires_grad_(False)
         rm_tokenizer.pad_token = rm_tokenizer.pad_token or rm_tokenizer.eos_token
         reward_model.config.pad_token_id = rm_tokenizer.pad_token_id
     return {"args": task, "source": source, "eval_rows": eval_rows, "reward_fns": reward_fns,
@@ -427,10 +463,15 @@ def load_task(task: TaskArgs, tokenizer, context: int, max_new_tokens: int) -> d
 
 def draw_rows(task: dict, state: dict, n: int, seed: int) -> list[dict]:
     """The next n prompt rows: a dataset is walked in a fresh seeded order each epoch; a prompt function is called
-    with the random.Random in `state`. `state` is all the position there is, and goes into checkpoints."""
+    with a random.Random whose state (getstate()'s tuple) `state` keeps. `state` is all the position there is, and
+    goes into checkpoints as plain data (what torch.load(weights_only=True) reads)."""
     source = task["source"]
     if callable(source):
-        return [check_row(source(state["rng"]), task["args"].prompt_fn) for _ in range(n)]
+        rng = random.Random()
+        rng.setstate(state["rng"])
+        rows = check_rows([source(rng) for _ in range(n)], task["args"].prompt_fn)
+        state["rng"] = rng.getstate()
+        return rows
     rows = []
     while len(rows) < n:
         order = torch.randperm(len(source), generator=torch.Generator().manual_seed(seed + state["epoch"]))
@@ -466,15 +507,32 @@ def generation_configs(gen: GenArgs, tokenizer, temperature: float) -> tuple[Gen
     return sample, GenerationConfig(do_sample=False, **common)
 
 
+def off_policy_note(gen: GenArgs) -> str:
+    """One line naming the sampling filters that are set, or "" when none is: they change what is sampled, while
+    the update's old and new logprobs come from the plain temperature softmax (TRL's PPO trainer fixes top_k=0,
+    top_p=1.0 for this reason)."""
+    defaults = GenArgs()
+    flags = [f"--{name.replace('_', '-')} {getattr(gen, name)}" for name in
+             ("min_new_tokens", "top_k", "top_p", "min_p", "repetition_penalty")
+             if getattr(gen, name) != getattr(defaults, name)]
+    if not flags:
+        return ""
+    return (f"note: {', '.join(flags)} change what is sampled, but the update takes the samples as drawn from the "
+            "plain temperature softmax: it is off-policy, and its ratios do not correct for that")
+
+
 def cut_responses(tokenizer, responses: torch.Tensor, stop_strings: list[str]) -> tuple:
     """Cut each response after its first EOS or stop string (both kept) and pad the rest. Returns responses [B, T],
-    lengths [B] and ended [B] (bool: it ended with EOS or a stop string)."""
+    lengths [B] and ended [B] (bool: it ended with EOS or a stop string). A stop string cuts after the first token
+    whose decoded prefix holds it, found by bisection (a prefix's text holds whatever a shorter prefix's holds): a
+    few decodes per response, not one per token."""
     rows, lengths, ended = responses.tolist(), [], []
+    holds_stop = lambda ids: any(s in tokenizer.decode(ids) for s in stop_strings)
     for row in rows:
         n = row.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in row else len(row)
         done = tokenizer.eos_token_id in row
-        if stop_strings and any(s in tokenizer.decode(row[:n]) for s in stop_strings):
-            n = next(k for k in range(1, n + 1) if any(s in tokenizer.decode(row[:k]) for s in stop_strings))
+        if stop_strings and holds_stop(row[:n]):
+            n = bisect.bisect_left(range(n + 1), True, lo=1, key=lambda k: holds_stop(row[:k]))
             done = True
         row[n:] = [tokenizer.pad_token_id] * (len(row) - n)
         lengths.append(n)
@@ -510,95 +568,145 @@ def next_token(logits: torch.Tensor, seen: torch.Tensor, gen: GenerationConfig, 
     return torch.searchsorted(cdf, u)[:, 0].clamp(max=cdf.shape[1] - 1)
 
 
-def lean_decode_supported(model, gen: GenerationConfig) -> bool:
-    """The plain-PyTorch decode loop below handles unsharded Llama, Mistral and Qwen2 models with default RoPE and
-    no sliding window, sampling with the settings next_token implements; anything else goes through `generate`."""
-    config = model.config
-    rope = getattr(config, "rope_parameters", None) or {}
+def cache_length(prompt_length: int, max_new_tokens: int) -> int:
+    """Length of decode_loop's key/value cache: prompt + new tokens, rounded up to a multiple of 16 so that batches
+    whose longest prompts differ by a few tokens share one shape (one compiled decode step)."""
+    return -(-(prompt_length + max_new_tokens) // 16) * 16
+
+
+def decode_loop_unsupported(model, gen: GenerationConfig, length: int) -> str | None:
+    """Why decode_loop cannot take this model and these settings (None: it can). It takes any causal LM whose
+    forward accepts a static key/value cache (transformers marks those `_can_compile_fullgraph`) that keeps all
+    `length` tokens in every layer, unsharded, sampling with the settings next_token implements."""
     others = GenerationConfig()  # every other generation setting must be left at its default
     skip = {"do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens",
-            "min_new_tokens", "pad_token_id", "eos_token_id", "bos_token_id", "transformers_version"}
-    if any(v != getattr(others, k, None) for k, v in gen.to_diff_dict().items() if k not in skip):
-        return False
-    return (config.model_type in ("llama", "mistral", "qwen2") and rope.get("rope_type", "default") == "default"
-            and config.hidden_act == "silu" and not (getattr(config, "use_sliding_window", True)
-                                                     and getattr(config, "sliding_window", None))
-            and not any(hasattr(p, "placements") for p in model.parameters()))
+            "min_new_tokens", "pad_token_id", "eos_token_id", "bos_token_id", "transformers_version", "compile_config"}
+    changed = [k for k, v in gen.to_diff_dict().items() if k not in skip and v != getattr(others, k, None)]
+    if changed:
+        return f"generation setting(s) {', '.join(changed)} (the decode loop implements next_token's)"
+    if not getattr(model, "_can_compile_fullgraph", False):
+        return f"{type(model).__name__} does not take a static key/value cache"
+    if any(getattr(layer, "max_cache_len", None) != length
+           for layer in StaticCache(config=model.config, max_cache_len=length).layers):  # allocates nothing yet
+        return f"a layer keeps fewer than {length} tokens (sliding window or chunked attention)"
+    if any(hasattr(p, "placements") for p in model.parameters()):
+        return "the model is sharded (FSDP): all processes step together through generate(synced_gpus=True)"
+    low = torch.get_autocast_dtype(model.device.type)  # under autocast, keys come out in the weights' dtype (RoPE
+    if torch.is_autocast_enabled(model.device.type) and model.dtype != low:  # runs in it) and values in `low`
+        layer = StaticCache(config=model.config, max_cache_len=1).layers[0]
+        layer.lazy_initialization(torch.zeros(1, 1, 1, 1, dtype=model.dtype), torch.zeros(1, 1, 1, 1, dtype=low))
+        if layer.values.dtype != low:  # transformers 5.17 keeps both in the keys' dtype, then fails on the values
+            return "under autocast keys and values differ in dtype, and this transformers' static cache keeps one"
+    return None
+
+
+# the keyword of the key/value cache in a model's forward: `cache` in the transformers of requirements.txt,
+# `past_key_values` in releases before the rename (5.17, for one, ignores a `cache=` argument without a word)
+CACHE_KWARG = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
+
+
+def decode_step(model, token: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
+                cache: StaticCache) -> torch.Tensor:
+    """Logits [B, V] for one new token per row, token [B, 1] at position_ids [B, 1], through the model's own
+    forward, which writes its keys and values into the cache; attention_mask [B, C] spans the whole cache. Every
+    shape is fixed, so --compile makes one graph of it per batch size and cache length."""
+    return model(input_ids=token, position_ids=position_ids, attention_mask=attention_mask, **{CACHE_KWARG: cache},
+                 use_cache=True).logits[:, -1]
+
+
+def static_cache(model, batch_size: int, length: int, keep: bool) -> StaticCache:
+    """An empty static key/value cache for batch_size rows of length tokens. With keep (a compiled step), one per
+    shape and autocast dtype (which sets the cache's dtypes) is kept on the model and emptied for each use, since a
+    CUDA graph replays only while the cache keeps its memory addresses; without, a new one that nothing holds."""
+    if not keep:
+        return StaticCache(config=model.config, max_cache_len=length)
+    device = model.device.type
+    key = (batch_size, length, torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device))
+    caches = model.__dict__.setdefault("decode_caches", {})
+    if key not in caches:
+        caches[key] = StaticCache(config=model.config, max_cache_len=length)
+    caches[key].reset()
+    return caches[key]
+
+
+@functools.cache
+def compiled_decode_step(mode: str) -> Callable:
+    """decode_step under torch.compile, made once per process (a new wrapper would compile again): the whole model
+    in one graph (fullgraph), shapes fixed (dynamic=False); mode "reduce-overhead" replays it as a CUDA graph."""
+    return torch.compile(decode_step, fullgraph=True, dynamic=False, mode=mode)
 
 
 @torch.no_grad()
-def lean_decode(model, queries: torch.Tensor, attention_mask: torch.Tensor, gen: GenerationConfig,
+def decode_loop(model, queries: torch.Tensor, attention_mask: torch.Tensor, gen: GenerationConfig,
                 stop: Callable | None = None) -> torch.Tensor:
-    """Responses [B, T] to left-padded queries [B, Lq], sampled as `generate` samples but with less work per token:
-    one forward of the model over the prompts fills a key/value cache preallocated for all the new tokens, then each
-    new token goes through the model's own layers (norms, projections, RoPE, scaled_dot_product_attention, MLP)
-    with nothing else around them. Rows end at EOS (then pad) or when stop(new_ids [B, t]) says so."""
+    """Responses [B, T] to left-padded queries [B, Lq], sampled as `generate` samples, in plain PyTorch around the
+    model's own forward: one forward over the prompts fills a static key/value cache sized for prompt and response,
+    then one token per step (decode_step, compiled when gen.compile_config is set). Rows end at EOS (then pad) or
+    when stop(new_ids [B, t]) says so; the loop ends when every row has ended."""
     B, Lq = queries.shape
-    inner, T = model.model, gen.max_new_tokens
-    prefill = model(input_ids=queries, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask),
-                    use_cache=True, logits_to_keep=1)
-    cache = [(layer.keys.new_zeros(*layer.keys.shape[:2], Lq + T, layer.keys.shape[-1]),
-              layer.values.new_zeros(*layer.values.shape[:2], Lq + T, layer.values.shape[-1]))
-             for layer in prefill.cache.layers]
-    for (keys, values), layer in zip(cache, prefill.cache.layers):
-        keys[:, :, :Lq], values[:, :, :Lq] = layer.keys, layer.values
-    fused = [(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),  # one matmul for q, k and v
-              torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if a.q_proj.bias is not None else None,
-              torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]))  # one for the MLP's gate and up
-             for layer in inner.layers for a in [layer.self_attn]]
-    visible = torch.cat([attention_mask.bool(), attention_mask.new_ones(B, T).bool()], 1)  # [B, Lq + T]
-    start = attention_mask.sum(1)  # [B] position of the first new token
-    out = queries.new_full((B, T), gen.pad_token_id)
+    T, C = gen.max_new_tokens, cache_length(Lq, gen.max_new_tokens)
+    cache = static_cache(model, B, C, keep=gen.compile_config is not None)
+    mask = torch.nn.functional.pad(attention_mask, (0, C - Lq), value=1)  # [B, C]: 0 on left padding only (the
+    # model's causal mask hides the slots not written yet)
+    step = compiled_decode_step(gen.compile_config.mode) if gen.compile_config else decode_step
+    logits = model(input_ids=queries, attention_mask=mask, position_ids=position_ids_from(attention_mask),
+                   use_cache=True, logits_to_keep=1, **{CACHE_KWARG: cache}).logits[:, -1]  # [B, V]: prompts at once
+    ids = torch.nn.functional.pad(queries, (0, T), value=gen.pad_token_id)  # [B, Lq + T]: prompts, then responses
+    position = attention_mask.sum(1, keepdim=True)  # [B, 1]: each row's first new position
     done = torch.zeros(B, dtype=torch.bool, device=queries.device)
-    logits = prefill.logits[:, -1]
     for t in range(T):
-        token = next_token(logits, torch.cat([queries, out[:, :t]], 1), gen, t).masked_fill(done, gen.pad_token_id)
-        out[:, t] = token
+        token = next_token(logits, ids[:, :Lq + t], gen, t).masked_fill(done, gen.pad_token_id)  # [B]
+        ids[:, Lq + t] = token
         done |= token == gen.eos_token_id
         if stop is not None:
-            done |= stop(out[:, :t + 1])
-        if done.all() or t == T - 1:
-            return out[:, :t + 1]
-        h = inner.embed_tokens(token[:, None])  # [B, 1, H]
-        cos, sin = inner.rotary_emb(h, (start + t)[:, None])
-        for layer, (keys, values), (w_qkv, b_qkv, w_gate_up) in zip(inner.layers, cache, fused):
-            attn, x = layer.self_attn, layer.input_layernorm(h)
-            qkv = torch.nn.functional.linear(x, w_qkv, b_qkv).view(B, 1, -1, attn.head_dim).transpose(1, 2)
-            q, k, v = qkv.split([qkv.shape[1] - 2 * keys.shape[1], keys.shape[1], keys.shape[1]], 1)  # [B, heads, 1, D]
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            keys[:, :, Lq + t], values[:, :, Lq + t] = k[:, :, 0], v[:, :, 0]
-            o = torch.nn.functional.scaled_dot_product_attention(
-                q, keys[:, :, :Lq + t + 1], values[:, :, :Lq + t + 1], attn_mask=visible[:, None, None, :Lq + t + 1],
-                scale=attn.scaling, enable_gqa=q.shape[1] != k.shape[1])
-            h = h + attn.o_proj(o.transpose(1, 2).reshape(B, 1, -1))
-            gate, up = torch.nn.functional.linear(layer.post_attention_layernorm(h), w_gate_up).chunk(2, -1)
-            h = h + layer.mlp.down_proj(torch.nn.functional.silu(gate) * up)
-        logits = model.lm_head(inner.norm(h))[:, -1]
-    return out
+            done |= stop(ids[:, Lq:Lq + t + 1])
+        if t == T - 1 or done.all():
+            break
+        logits = step(model, token[:, None], position + t, mask, cache)
+    return ids[:, Lq:Lq + t + 1]
+
+
+def stop_check(tokenizer, stop_strings: list[str]) -> Callable:
+    """stop(new_ids [B, t]) -> [B] bool: a stop string shows in a row's text. Only the text that the newest token can
+    complete is decoded: a stop string of n bytes lies within the last n tokens (each decodes to a byte or more),
+    and one token more keeps a leading space that decoders drop from a text's first token."""
+    width = 1 + max(len(s.encode()) for s in stop_strings)
+    return lambda new_ids: torch.tensor([any(s in text for s in stop_strings) for text in
+                                         tokenizer.batch_decode(new_ids[:, -width:])], device=new_ids.device)
+
+
+@functools.cache
+def print_once(message: str) -> None:
+    """Print a message the first time it comes: once per process run (functools.cache remembers it)."""
+    print(message, flush=True)
 
 
 @torch.no_grad()
 def generate(policy, tokenizer, queries: torch.Tensor, gen: GenerationConfig, stop_strings: list[str]) -> tuple:
-    """Sample (or greedily decode) responses to left-padded queries; returns cut_responses' triple. Llama-family
-    models take lean_decode; others `generate`, where all processes keep stepping until every one is done
-    (synced_gpus), which sharded models need."""
+    """Sample (or greedily decode) responses to left-padded queries; returns cut_responses' triple. decode_loop
+    takes every model it can; the others go through `generate` (said once), where all processes keep stepping until
+    every one is done (synced_gpus), which sharded models need."""
     attention_mask = ((queries != tokenizer.pad_token_id).cumsum(1) > 0).long()  # left padding only
     Lq = queries.shape[1]
-    stop = lambda new_ids: torch.tensor([any(s in t for s in stop_strings)  # noqa: E731
-                                         for t in tokenizer.batch_decode(new_ids)], device=new_ids.device)
-    if lean_decode_supported(policy, gen):
-        out = lean_decode(policy, queries, attention_mask, gen, stop if stop_strings else None)
+    stop = stop_check(tokenizer, stop_strings) if stop_strings else None
+    reason = decode_loop_unsupported(policy, gen, cache_length(Lq, gen.max_new_tokens))
+    if reason is None:
+        out = decode_loop(policy, queries, attention_mask, gen, stop)
     else:
-        criteria = StoppingCriteriaList([lambda ids, scores, **kw: stop(ids[:, Lq:])]) if stop_strings else None
+        print_once(f"generation through model.generate, not the decode loop: {reason}")
+        criteria = StoppingCriteriaList([lambda ids, scores, **kw: stop(ids[:, Lq:])]) if stop else None
         out = policy.generate(input_ids=queries, attention_mask=attention_mask, generation_config=gen,
                               stopping_criteria=criteria, synced_gpus=torch.distributed.is_initialized())[:, Lq:]
     return cut_responses(tokenizer, out.cpu(), stop_strings)
 
 
 def call_reward_fns(reward_fns: list, weights: list[float], prompts: list, completions: list,
-                    completion_ids: list, columns: dict) -> torch.Tensor:
-    """Weighted sum of TRL-style reward functions; [B]. Any bad output stops the run with a clear line."""
-    total = torch.zeros(len(completions))
+                    completion_ids: list, columns: dict, reward_model: bool = False) -> torch.Tensor:
+    """Weighted sum of TRL-style reward functions; [B]. Each returns, per completion, a finite real number (Python or
+    numpy int or float; a bool counts 1 or 0) or None where it does not score that completion: as in TRL, the sum
+    skips it. A completion that no function scores stops the run with a clear line, unless a reward model
+    (`reward_model`) scores every completion; so does any other bad output."""
+    total, scored = torch.zeros(len(completions)), torch.zeros(len(completions), dtype=torch.bool)
     for (spec, fn), w in zip(reward_fns, weights):
         try:
             out = list(fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns))
@@ -608,9 +716,16 @@ def call_reward_fns(reward_fns: list, weights: list[float], prompts: list, compl
             fail("--reward-fn", spec, f"returned {len(out)} scores for {len(completions)} completions; return one "
                                       "float per completion")
         for i, v in enumerate(out):
-            if not isinstance(v, (int, float)) or not math.isfinite(v):
-                fail("--reward-fn", spec, f"returned {v!r} for completion {i}; return a finite float for each")
-        total += w * torch.tensor(out, dtype=torch.float)
+            if v is not None and not (isinstance(v, numbers.Real) and math.isfinite(v)):
+                fail("--reward-fn", spec, f"returned {v!r} for completion {i}; return a finite number for each (or "
+                                          "None where the function does not apply)")
+        total += w * torch.tensor([0.0 if v is None else float(v) for v in out])
+        scored |= torch.tensor([v is not None for v in out])
+    if reward_fns and not reward_model and not scored.all():
+        i = int((~scored).nonzero()[0])
+        fail("--reward-fn", [spec for spec, _ in reward_fns], f"every function returned None for completion {i} "
+             f"({str(completions[i])[:40]!r}); each completion needs a score from one function at least (or give "
+             "a --reward-model)")
     return total
 
 
@@ -697,7 +812,8 @@ def rollout(policy, tokenizer, rows: list[dict], gen: GenerationConfig, stop_str
     chat = not isinstance(prompts[0], str)
     completions = [[{"role": "assistant", "content": t}] for t in texts] if chat else texts
     columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt"}
-    scores = call_reward_fns(task["reward_fns"], task["weights"], prompts, completions, completion_ids, columns)
+    scores = call_reward_fns(task["reward_fns"], task["weights"], prompts, completions, completion_ids, columns,
+                             task["reward_model"] is not None)
     if task["reward_model"] is not None:
         full = [q + t for q, t in zip(tokenizer.batch_decode(ids, skip_special_tokens=True), texts)]
         scores += task["args"].reward_model_weight * reward_model_scores(task["reward_model"], task["rm_tokenizer"],
@@ -794,11 +910,18 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) 
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token KL estimate of policy from reference: k1 = logp - ref, k3 = exp(r) - 1 - r with r = ref - logp."""
+    """Per-token KL estimate of policy from reference at sampled tokens, with r = ref - logp (Schulman, "Approximating
+    KL Divergence"): k1 = logp - ref, k2 = r^2 / 2, k3 = exp(r) - 1 - r. As a value (a penalty in the reward), k1
+    and k3 estimate KL(pi || ref) without bias. As a loss term, only the expected gradient counts: k1's is 0 (no
+    penalty), k2's is exactly the gradient of KL(pi || ref), k3's that of KL(ref || pi), the other direction."""
     if estimator == "k1":
         return logprobs - ref_logprobs
     r = ref_logprobs - logprobs
-    return r.exp() - 1 - r
+    if estimator == "k2":
+        return 0.5 * r ** 2
+    if estimator == "k3":
+        return r.exp() - 1 - r
+    raise ValueError(f"unknown KL estimator {estimator!r}: use k1, k2 or k3")
 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -848,13 +971,17 @@ def ppo_step(policy, value_model, ref_policy, optimizer, queries: torch.Tensor, 
     response) or [B, T] (per-token: dense or process rewards); masks [B, T] with 0 on response tokens that must not
     be trained on (tool output: no gradient, no KL). A response ends after its first eos_token_id (pass None when
     EOS may appear inside an episode) and before its trailing pad tokens and its trailing mask-0 tokens: an episode
-    that ends with tool output loses that output from the value loss too. Returns metrics.
+    that ends with tool output loses that output from the value loss too, and a [B, T] reward placed past the end
+    counts on the response's last token. The models must not apply dropout (a ValueError: call
+    disable_dropout(model) or model.eval() first), or the rollout's and the update's forward passes would differ.
+    Returns metrics.
     """
     B, T = responses.shape
     micro = B // (hp.num_mini_batches * hp.gradient_accumulation_steps)
     if micro * hp.num_mini_batches * hp.gradient_accumulation_steps != B:
         raise ValueError(f"batch of {B} does not split into {hp.num_mini_batches} mini-batches x "
                          f"{hp.gradient_accumulation_steps} accumulation steps")
+    refuse_dropout(policy=policy, value_model=value_model, ref_policy=ref_policy)
     device = next(policy.parameters()).device
     queries, responses, rewards = queries.to(device), responses.to(device), rewards.to(device).float()
 
@@ -894,9 +1021,10 @@ def ppo_step(policy, value_model, ref_policy, optimizer, queries: torch.Tensor, 
             scores = rewards
             per_token = non_score.clone()
             per_token[torch.arange(B, device=device), last] += rewards
-        else:
-            scores = (rewards * valid).sum(1)
+        else:  # rewards on padding (past the response's end) move to its last token: no reward is dropped
+            scores = rewards.sum(1)
             per_token = non_score + rewards * valid
+            per_token[torch.arange(B, device=device), last] += (rewards * ~valid).sum(1)
         if hp.whiten_rewards:
             per_token = masked_whiten(per_token, valid, shift_mean=False) * valid
 
@@ -1027,17 +1155,36 @@ def load_optimizer_state(optimizer, state: dict) -> None:
 
 
 def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
-    """Set every dropout probability to 0 (with dropout, the same tokens get different logprobs in each pass)."""
+    """Set every dropout probability to 0, in dropout layers and in the float `*dropout*` attributes of modules that
+    apply dropout as a function (Llama's attention_dropout): with dropout, the same tokens get different logprobs in
+    each pass."""
     for m in model.modules():
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0
+        for name, value in list(vars(m).items()):
+            if "dropout" in name and isinstance(value, float):
+                setattr(m, name, 0.0)
     return model
 
 
-def average_metrics(metrics: dict, device: torch.device) -> dict:
-    """The mean of each metric over all processes."""
-    values = global_sum(torch.tensor(list(metrics.values()), dtype=torch.float64, device=device))
-    return dict(zip(metrics, (values / world_size()).tolist()))
+def refuse_dropout(**models: torch.nn.Module) -> None:
+    """Raise ValueError, naming the model, when one would apply dropout: in training mode with a dropout layer of
+    p > 0 or a float `*dropout*` attribute > 0 (attention dropout applied as a function). The rollout's and the
+    update's forward passes would then see different dropout masks, and old and new logprobs and values differ."""
+    for name, model in models.items():
+        active = [n or type(m).__name__ for n, m in model.named_modules() if m.training and (
+            isinstance(m, torch.nn.Dropout) and m.p > 0
+            or any("dropout" in k and isinstance(v, float) and v > 0 for k, v in vars(m).items()))]
+        if active:
+            raise ValueError(f"{name} applies dropout in training mode (in {', '.join(active[:3])}): call "
+                             f"disable_dropout({name}) from ppo.py or rloo.py, or {name}.eval(), before the step")
+
+
+def average_metrics(metrics: dict, device: torch.device, counts: tuple[str, ...] = ()) -> dict:
+    """Each metric over all processes: the keys in `counts` (per-process counts, e.g. val/num_eos_tokens) summed,
+    every other key (means, and counts every process shares, e.g. loss/nonfinite_skipped) averaged."""
+    values = global_sum(torch.tensor(list(metrics.values()), dtype=torch.float64, device=device)).tolist()
+    return {k: v if k in counts else v / world_size() for k, v in zip(metrics, values)}
 
 
 def evaluate(policy, tokenizer, task: dict, greedy: GenerationConfig, stop_strings: list[str], rank: int,
@@ -1127,6 +1274,19 @@ def find_checkpoint(resume: str, output_dir: Path) -> Path:
     return Path(resume)
 
 
+def load_state(folder: Path) -> dict:
+    """A checkpoint's state.pt (counters, optimizer and random states, data position), read with
+    torch.load(weights_only=True): tensors, numbers, strings, lists, tuples and dicts only, so that a checkpoint
+    from elsewhere cannot run code when resumed. A file holding anything else stops the run, its code not run."""
+    try:
+        return torch.load(folder / "state.pt", weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = str(e).partition("GLOBAL ")[2].split(" ")[0] or "an object"
+        fail("--resume", str(folder), f"its state.pt holds {found}, not only tensors, numbers, strings, lists and "
+                                      "dicts, and loading it could run code: refused; resume from a checkpoint that "
+                                      "this script wrote")
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # The training loop
 
@@ -1168,7 +1328,7 @@ def main(args: Args) -> None:
         if any(k.startswith(value_model.base_model_prefix + ".") for k in missing):
             fail("--model", args.model, "the value model cannot take the policy's weights; give --value-model")
     value_model.config.pad_token_id = tokenizer.pad_token_id
-    task = load_task(args.task, tokenizer, model_context(policy), gen.max_new_tokens)
+    task = load_task(args.task, tokenizer, model_context(policy), gen.max_new_tokens, args.trust_remote_code)
     if args.fsdp and not torch.distributed.is_initialized():
         fail("--fsdp", True, "FSDP shards over processes: launch with torchrun --nproc_per_node N")
     if len(task["eval_rows"]) < world:
@@ -1187,24 +1347,30 @@ def main(args: Args) -> None:
     # ---- seeding per process (ranks sample differently), or the saved state of a resumed run
     random.seed(args.seed + rank)
     torch.manual_seed(args.seed + rank)
-    start, episode, elapsed = 1, 0, 0.0
-    prompt_state = {"epoch": 0, "pos": 0, "rng": random.Random(args.seed)}
+    start, episode, elapsed, accuracy = 1, 0, 0.0, None  # accuracy: the last evaluation's, for the progress bar
+    prompt_state = {"epoch": 0, "pos": 0, "rng": random.Random(args.seed).getstate()}
     if ckpt is not None:
-        state = torch.load(ckpt / "state.pt", weights_only=False)
+        state = load_state(ckpt)
         load_optimizer_state(optimizer, state["optimizer"])
         set_rng_states(state["rng"][rank % len(state["rng"])])
-        prompt_state, run_name = state["prompt_state"], state["run_name"]
+        prompt_state, run_name, accuracy = state["prompt_state"], state["run_name"], state["accuracy"]
         start, episode, elapsed = state["iteration"] + 1, state["episode"], state["elapsed"]
     if args.compile:
         for model in (policy, ref_policy, value_model):
             model.forward = torch.compile(model.forward, dynamic=True)
     metrics_path, run = open_run(args, output_dir, start, run_name) if rank == 0 else (None, None)
     sample, greedy = generation_configs(gen, tokenizer, hp.temperature)
+    if args.compile:  # decode_loop's one-token step, one graph per batch size, replayed as a CUDA graph on GPUs
+        sample.compile_config = greedy.compile_config = CompileConfig(
+            fullgraph=True, dynamic=False, mode="reduce-overhead" if device.type == "cuda" else "default")
+    if rank == 0 and off_policy_note(gen):
+        print(off_policy_note(gen))
 
     if start == 1:
         with autocast(hp.dtype, device):
             metrics, samples = evaluate(policy, tokenizer, task, greedy, gen.stop_strings, rank, world)
         log_row(metrics_path, run, {"iteration": 0, "episode": 0, "elapsed_s": 0.0, **metrics}, samples)
+        accuracy = metrics["task/accuracy"]
     progress = tqdm(range(start, num_iterations + 1), initial=start - 1, total=num_iterations, desc="ppo",
                     disable=rank != 0)
     t0 = time.time() - elapsed
@@ -1224,28 +1390,33 @@ def main(args: Args) -> None:
         except FloatingPointError as e:
             fail("--skip-nonfinite", False, f"{e} at iteration {iteration}: the run stops here, its last good "
                  "checkpoint kept; lower --learning-rate, check the rewards, or pass --skip-nonfinite")
-        # 10. Log: metrics averaged over processes, one row per iteration; greedy evaluation every --eval-every.
+        # 10. Log: metrics averaged over processes (counts summed), one row per iteration; greedy evaluation every
+        # --eval-every.
         if out["process"] is not None:
             metrics["objective/prm_min_step_score"] = sum(min((p for _, p in steps), default=0)
                                                           for steps in out["process"]) / len(rows)
         episode += args.batch_size
         row = {"iteration": iteration, "episode": episode, "elapsed_s": round(time.time() - t0, 3),
-               "lr": optimizer.param_groups[0]["lr"], **average_metrics(metrics, device)}
+               "lr": optimizer.param_groups[0]["lr"], **average_metrics(metrics, device, ("val/num_eos_tokens",))}
+        if args.compile and iteration == start:  # torch.compile's seconds so far: the decode steps and the forwards
+            row["perf/compile_s"] = round(torch._dynamo.utils.calculate_time_spent()["total_wall_time"], 1)
         samples = None
         if iteration % args.eval_every == 0 or iteration == num_iterations:
             with autocast(hp.dtype, device):
                 eval_metrics, samples = evaluate(policy, tokenizer, task, greedy, gen.stop_strings, rank, world)
             row.update(eval_metrics)
         log_row(metrics_path, run, row, samples)
+        accuracy = row.get("task/accuracy", accuracy)
         progress.set_postfix(score=f"{row['objective/scores']:.3f}", kl=f"{row['objective/kl']:.3f}",
-                             acc=row.get("task/accuracy", ""))
+                             acc=f"{accuracy:.3f}")
         # 11. Checkpoint: models, optimizer, random states and prompt position, written whole or not at all.
         if args.save_every and iteration % args.save_every == 0:
             rngs = [rng_states()] * world
             if world > 1:
                 torch.distributed.all_gather_object(rngs, rng_states())
             state = {"iteration": iteration, "episode": episode, "elapsed": time.time() - t0, "run_name": run_name,
-                     "optimizer": optimizer_state(optimizer), "rng": rngs, "prompt_state": prompt_state}
+                     "optimizer": optimizer_state(optimizer), "rng": rngs, "prompt_state": prompt_state,
+                     "accuracy": accuracy}
             weights = {name: full_state_dict(model) for name, model in models.items()}
             if rank == 0:
                 save_checkpoint(output_dir / "checkpoints" / f"iter_{iteration:06d}", models, weights, tokenizer, state,

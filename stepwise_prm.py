@@ -23,6 +23,7 @@ import copy
 import json
 import math
 import os
+import pickle
 import random
 import shutil
 import sys
@@ -201,6 +202,9 @@ def load_pretrained(auto_cls, name: str, flag: str, trust_remote_code: bool = Fa
     try:
         return auto_cls.from_pretrained(name, trust_remote_code=trust_remote_code, **kwargs)
     except (OSError, ValueError) as e:
+        if "trust_remote_code=True" in str(e) and not trust_remote_code:
+            fail(flag, name, "its model code comes with it (auto_map in its config.json), and runs when loaded; pass "
+                             "--trust-remote-code if you trust that code")
         hint = "no such folder, and" if not os.path.isdir(name) else "the folder exists but"
         fail(flag, name, f"{hint} it cannot be loaded ({str(e).splitlines()[0][:120]}); give a folder written by "
                          "save_pretrained or a Hugging Face id (offline runs need a local folder)")
@@ -496,10 +500,11 @@ def setup_distributed() -> tuple[int, int, torch.device]:
     return torch.distributed.get_rank(), torch.distributed.get_world_size(), device
 
 
-def average_metrics(metrics: dict, device: torch.device) -> dict:
-    """The mean of each metric over all processes."""
-    values = global_sum(torch.tensor(list(metrics.values()), dtype=torch.float64, device=device))
-    return dict(zip(metrics, (values / world_size()).tolist()))
+def average_metrics(metrics: dict, device: torch.device, counts: tuple[str, ...] = ()) -> dict:
+    """Each metric over all processes: the keys in `counts` (per-process counts, e.g. val/num_eos_tokens) summed,
+    every other key (means, and counts every process shares, e.g. loss/nonfinite_skipped) averaged."""
+    values = global_sum(torch.tensor(list(metrics.values()), dtype=torch.float64, device=device)).tolist()
+    return {k: v if k in counts else v / world_size() for k, v in zip(metrics, values)}
 
 
 def open_run(args, output_dir: Path, start: int, run_name: str) -> tuple[Path, Any]:
@@ -574,6 +579,19 @@ def find_checkpoint(resume: str, output_dir: Path) -> Path:
     if not (Path(resume) / "state.pt").exists():
         fail("--resume", resume, "not a checkpoint folder (no state.pt); give .../checkpoints/iter_NNNNNN or 'latest'")
     return Path(resume)
+
+
+def load_state(folder: Path) -> dict:
+    """A checkpoint's state.pt (counters, optimizer and random states, data position), read with
+    torch.load(weights_only=True): tensors, numbers, strings, lists, tuples and dicts only, so that a checkpoint
+    from elsewhere cannot run code when resumed. A file holding anything else stops the run, its code not run."""
+    try:
+        return torch.load(folder / "state.pt", weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = str(e).partition("GLOBAL ")[2].split(" ")[0] or "an object"
+        fail("--resume", str(folder), f"its state.pt holds {found}, not only tensors, numbers, strings, lists and "
+                                      "dicts, and loading it could run code: refused; resume from a checkpoint that "
+                                      "this script wrote")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -680,11 +698,12 @@ def main(args: Args) -> None:
     random.seed(args.seed + rank)
     torch.manual_seed(args.seed + rank)
     start, elapsed, data_state = 1, time.time() - t0, {"epoch": 0, "batches": []}
+    f1 = None  # the last evaluation's wrong-step F1, for the progress bar
     if ckpt is not None:
-        state = torch.load(ckpt / "state.pt", weights_only=False)
+        state = load_state(ckpt)
         optimizer.load_state_dict(state["optimizer"])
         set_rng_states(state["rng"][rank % len(state["rng"])])
-        data_state, run_name = state["data_state"], state["run_name"]
+        data_state, run_name, f1 = state["data_state"], state["run_name"], state["f1"]
         start, elapsed = state["iteration"] + 1, state["elapsed"]
     metrics_path, run = open_run(args, output_dir, start, run_name) if rank == 0 else (None, None)
     lengths, local = [len(e["input_ids"]) for e in train], args.batch_size // world
@@ -700,7 +719,9 @@ def main(args: Args) -> None:
     t0 = time.time() - elapsed
     if start == 1:
         warmup = {"warmup/loss": warmup_loss} if warmup_loss is not None else {}
-        log_row(metrics_path, run, {"iteration": 0, "elapsed_s": round(elapsed, 3), **warmup, **evaluation()})
+        row = {"iteration": 0, "elapsed_s": round(elapsed, 3), **warmup, **evaluation()}
+        log_row(metrics_path, run, row)
+        f1 = row["eval/wrong_step_f1"]
     progress = tqdm(range(start, args.total_steps + 1), initial=start - 1, total=args.total_steps, desc="prm",
                     disable=rank != 0)
     for iteration in progress:
@@ -716,18 +737,19 @@ def main(args: Args) -> None:
             fail("--skip-nonfinite", False, f"{e} at step {iteration}: the run stops here, its last good checkpoint "
                  "kept; lower --learning-rate, check the data, or pass --skip-nonfinite")
         row = {"iteration": iteration, "elapsed_s": round(time.time() - t0, 3), "lr": optimizer.param_groups[0]["lr"],
-               **average_metrics(metrics, device)}
+               **average_metrics(metrics, device, counts=("train/tokens",))}
         if iteration % args.eval_every == 0 or iteration == args.total_steps:
             row.update(evaluation())
         log_row(metrics_path, run, row)
-        progress.set_postfix(loss=f"{row['train/loss']:.3f}", f1=row.get("eval/wrong_step_f1", ""))
+        f1 = row.get("eval/wrong_step_f1", f1)
+        progress.set_postfix(loss=f"{row['train/loss']:.3f}", f1=f"{f1:.3f}")
         # 9. Checkpoint: model, optimizer, random states and data position, written whole or not at all.
         if args.save_every and iteration % args.save_every == 0:
             rngs = [rng_states()] * world
             if world > 1:
                 torch.distributed.all_gather_object(rngs, rng_states())
             state = {"iteration": iteration, "elapsed": time.time() - t0, "run_name": run_name,
-                     "optimizer": optimizer.state_dict(), "rng": rngs, "data_state": data_state}
+                     "optimizer": optimizer.state_dict(), "rng": rngs, "data_state": data_state, "f1": f1}
             if rank == 0:
                 save_checkpoint(output_dir / "checkpoints" / f"iter_{iteration:06d}", {"model": model},
                                 {"model": model.state_dict()}, tokenizer, state, args.keep_checkpoints)

@@ -11,19 +11,23 @@ ROOT = Path(__file__).resolve().parent.parent
 SHARED_WITH_RLOO = [
     "GenArgs", "TaskArgs", "BUILTIN_CHARS", "build_tokenizer", "build_tiny_model", "addition_prompt",
     "addition_eval_rows", "addition_reward", "multistep_problem", "multistep_prompt", "multistep_reward", "fail",
-    "load_callable", "load_pretrained", "load_policy", "model_context", "check_task", "load_prompt_dataset",
-    "check_row", "render_prompt", "load_task", "draw_rows", "left_pad", "position_ids_from", "generation_configs",
-    "cut_responses", "next_token", "lean_decode_supported", "lean_decode", "generate", "call_reward_fns",
+    "load_callable", "load_pretrained", "load_policy", "fp32_output_layer", "model_context", "check_task",
+    "load_prompt_dataset", "check_rows", "render_prompt", "load_task", "draw_rows", "left_pad", "position_ids_from",
+    "generation_configs", "off_policy_note",
+    "cut_responses", "next_token", "cache_length", "decode_loop_unsupported", "CACHE_KWARG", "decode_step",
+    "static_cache", "compiled_decode_step", "decode_loop", "stop_check", "print_once", "generate", "call_reward_fns",
     "reward_model_scores", "process_rewards", "rollout", "response_valid_mask", "world_size", "global_sum",
     "sync_gradients", "autocast", "step_or_skip", "masked_mean", "kl_penalty", "setup_distributed", "shard",
-    "full_state_dict", "optimizer_state", "load_optimizer_state", "disable_dropout", "average_metrics", "evaluate",
+    "full_state_dict", "optimizer_state", "load_optimizer_state", "disable_dropout", "average_metrics",
+    "refuse_dropout", "evaluate",
     "open_run", "log_row", "rng_states", "set_rng_states", "save_checkpoint", "find_checkpoint",
+    "load_state",
 ]
 SHARED_WITH_PRM = [
     "multistep_problem", "autocast", "BUILTIN_CHARS", "build_tokenizer", "build_tiny_model", "fail",
     "load_pretrained", "model_context", "world_size", "global_sum", "sync_gradients", "step_or_skip",
     "setup_distributed", "average_metrics", "open_run", "log_row", "rng_states", "set_rng_states", "save_checkpoint",
-    "find_checkpoint",
+    "find_checkpoint", "load_state",
 ]
 COPIES = {
     "rloo.py": SHARED_WITH_RLOO,

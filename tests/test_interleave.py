@@ -68,7 +68,7 @@ def test_every_phase_logs_what_the_schedule_may_wait_for(tiny_model_dir):
     assert sorted(out) == sorted(interleave.LOGGED["rloo"])
     config = policy.config
     config.num_labels = 1
-    value = ppo.AutoModelForTokenClassification.from_config(config)
+    value = ppo.disable_dropout(ppo.AutoModelForTokenClassification.from_config(config))
     out = ppo.ppo_step(policy, value, ref, torch.optim.AdamW([*policy.parameters(), *value.parameters()]), queries,
                        responses, torch.arange(4.0), hp=ppo.PPOHParams(), pad_token_id=0, eos_token_id=2)
     assert sorted(out) == sorted(interleave.LOGGED["ppo"])
@@ -174,7 +174,7 @@ def test_rl_phases_with_a_prm_as_their_only_reward_train_on_its_step_scores(tmp_
     (["--schedule", "transitions"], "--sft.until", ["['rloo'] can never run"]),
     (["--phases", "sft", "--sft.on-failures"], "--sft.on-failures", ["needs an RL phase"]),
     (["--rloo.batch-size", "10"], "--rloo.batch-size", ["divisible by --rloo.rloo-k"]),
-    (["--rloo.reward-fn", "my_rewards:score"], "--dataset", ["give --dataset or --prompt-fn"]),
+    (["--rloo.prompt-fn", "ppo:addition_prompt"], "--reward-fn", ["need a reward"]),
 ])
 def test_bad_config_is_one_line(args, flag, words, tmp_path):
     assert_one_line_error(run_script("interleave.py", *args, "--output-dir", tmp_path), flag, *words)
