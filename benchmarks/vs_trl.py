@@ -9,12 +9,14 @@ virtual environment (benchmarks/.trl-venv), never into the project's.
     python benchmarks/vs_trl.py                         # the whole table, fp32 (about 5 minutes on 2 cores)
     python benchmarks/vs_trl.py --only ppo --dtype bf16 --rounds 1
     python benchmarks/vs_trl.py --learning --seeds 1 2   # RLOO on the built-in task against TRL's RLOOTrainer
+    python benchmarks/vs_trl.py --only generation        # the generation line alone
 
 Each pair runs alternately (ours, TRL, ours, TRL, ...) so that machine noise hits both; per-iteration seconds are
 medians after warm-up; peak memory is the peak resident set (VmHWM) of each side's training process.
 """
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -29,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import artifacts  # noqa: E402
+import old_decode  # noqa: E402
 
 import ppo  # noqa: E402
 
@@ -133,26 +136,38 @@ def bare_compute(algo: str, art: Path, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
-def generation_speed(art: Path, repeats: int = 5) -> tuple[float, float]:
-    """Seconds for 32 x 32 sampled tokens: model.generate, and ppo.py's lean decode, same sampling."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
+def generation_speed(art: Path, repeats: int = 5) -> tuple[dict[str, float], float]:
+    """Seconds for 32 x 32 sampled tokens after 8-token prompts, the same sampling on every path, medians of
+    `repeats` runs taken in turn: model.generate; the previous decode loop (benchmarks/old_decode.py's lean_decode);
+    ppo.decode_loop; and decode_loop as --compile runs it (the forward under torch.compile(dynamic=True) for the
+    prefill, the one-token step compiled once, fullgraph and fixed shapes). Also the seconds that first compile took."""
+    from transformers import AutoModelForCausalLM, CompileConfig, GenerationConfig
 
     policy = ppo.disable_dropout(AutoModelForCausalLM.from_pretrained(art / "policy"))
+    compiled_policy = copy.deepcopy(policy)
+    compiled_policy.forward = torch.compile(compiled_policy.forward, dynamic=True)
     queries, mask = torch.randint(3, 4096, (32, 8)), torch.ones(32, 8, dtype=torch.long)
     gen = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=32, min_new_tokens=32,
                            pad_token_id=0, eos_token_id=2)
-    result = []
-    for fn in (lambda: policy.generate(input_ids=queries, attention_mask=mask, generation_config=gen),
-               lambda: ppo.lean_decode(policy, queries, mask, gen)):
-        with torch.no_grad():
+    compiled = copy.deepcopy(gen)
+    compiled.compile_config = CompileConfig(fullgraph=True, dynamic=False, mode="default")
+    paths = {"model.generate": lambda: policy.generate(input_ids=queries, attention_mask=mask, generation_config=gen),
+             "previous lean decode": lambda: old_decode.lean_decode(policy, queries, mask, gen),
+             "decode loop": lambda: ppo.decode_loop(policy, queries, mask, gen),
+             "decode loop compiled": lambda: ppo.decode_loop(compiled_policy, queries, mask, compiled)}
+    times = {name: [] for name in paths}
+    with torch.no_grad():
+        start = time.perf_counter()
+        paths["decode loop compiled"]()
+        compile_s = time.perf_counter() - start
+        for fn in paths.values():
             fn()
-            times = []
-            for _ in range(repeats):
+        for _ in range(repeats):
+            for name, fn in paths.items():
                 start = time.perf_counter()
                 fn()
-                times.append(time.perf_counter() - start)
-        result.append(statistics.median(times))
-    return result[0], result[1]
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}, compile_s
 
 
 def learning(seeds: list[int], episodes: int) -> list[str]:
@@ -187,7 +202,8 @@ def median_after_warmup(times_lists: list[list[float]]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=["ppo", "rloo", "prm"], action="append")
+    parser.add_argument("--only", choices=["ppo", "rloo", "prm", "generation"], action="append",
+                        help="these rows only (the generation line always comes last)")
     parser.add_argument("--iterations", type=int, default=10, help="iterations per run")
     parser.add_argument("--rounds", type=int, default=2, help="alternating runs of each side")
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
@@ -204,7 +220,7 @@ def main() -> None:
           f"{', --compile' if args.compile else ''}; artifacts in {art}")
     lines = ["| | this repo s/iter | TRL 1.12 s/iter | TRL / this | peak RSS this / TRL (MB) | bare compute s/iter "
              "| this / bare |", "| --- | --- | --- | --- | --- | --- | --- |"]
-    for algo in args.only or ["ppo", "rloo", "prm"]:
+    for algo in [algo for algo in args.only or ["ppo", "rloo", "prm"] if algo != "generation"]:
         mine, trl = [], []
         for _ in range(args.rounds):
             mine.append(ours(algo, args.iterations, art, args.dtype, args.compile))
@@ -221,10 +237,13 @@ def main() -> None:
             lines.append(f"| {algo.upper()} | {a:.3f} | {b:.3f} | {b / a:.2f}x | {rss} | {bare:.3f} | "
                          f"{a / bare:.2f} |")
         print(lines[-1], flush=True)
-    hf, lean = generation_speed(art)
-    print("\n".join(lines))
-    print(f"\ngeneration, 32 x 32 sampled tokens: model.generate {hf:.3f} s ({1024 / hf:,.0f} tokens/s), lean decode "
-          f"{lean:.3f} s ({1024 / lean:,.0f} tokens/s): {hf / lean:.2f}x")
+    seconds, compile_s = generation_speed(art)
+    if len(lines) > 2:
+        print("\n".join(lines))
+    hf = seconds["model.generate"]
+    print("\ngeneration, 32 x 32 sampled tokens after 8-token prompts: " + "; ".join(
+        f"{name} {s:.3f} s ({1024 / s:,.0f} tokens/s, {hf / s:.2f}x)" for name, s in seconds.items())
+        + f"; compiling took {compile_s:.0f} s")
 
 
 if __name__ == "__main__":

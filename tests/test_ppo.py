@@ -261,37 +261,3 @@ def test_process_rewards_land_on_the_last_token_of_each_step():
     assert [row.nonzero().flatten().tolist() for row in rewards] == [[5, 12], [6, 7]]
     assert rewards[0, 5] == pytest.approx(0.8) and rewards[0, 12] == pytest.approx(1.0 - 0.8)
     assert rewards[1, 6] == pytest.approx(0.8) and rewards[1, 7] == pytest.approx(-0.8)  # its step, then EOS
-
-
-# ---- the lean decode loop ------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
-def test_lean_decode_greedy_equals_generate(model_type):
-    from transformers import GenerationConfig, LlamaConfig, Qwen2Config
-
-    torch.manual_seed(0)
-    cls = LlamaConfig if model_type == "llama" else Qwen2Config  # Qwen2: biases on q, k, v
-    config = cls(vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)  # grouped-query attention
-    model = AutoModelForCausalLM.from_config(config).eval()
-    queries = ppo.left_pad([[1, 5, 6, 7], [1, 9, 10, 11, 12, 13, 14]], 0)
-    mask = ((queries != 0).cumsum(1) > 0).long()
-    gen = GenerationConfig(do_sample=False, max_new_tokens=20, pad_token_id=0, eos_token_id=2)
-    assert ppo.lean_decode_supported(model, gen)
-    expected = model.generate(input_ids=queries, attention_mask=mask, generation_config=gen)[:, queries.shape[1]:]
-    assert torch.equal(ppo.lean_decode(model, queries, mask, gen), expected)
-
-
-def test_lean_decode_samples_with_the_settings_and_leaves_the_rest_to_generate():
-    tokenizer = ppo.build_tokenizer()
-    model = ppo.build_tiny_model(tokenizer)
-    sample, _ = ppo.generation_configs(ppo.GenArgs(max_new_tokens=6, min_new_tokens=6, top_k=3), tokenizer, 1.0)
-    queries = ppo.left_pad([tokenizer("3+4=").input_ids] * 64, tokenizer.pad_token_id)
-    torch.manual_seed(0)
-    out = ppo.lean_decode(model, queries, torch.ones_like(queries), sample)
-    assert out.shape == (64, 6) and (out != tokenizer.eos_token_id).all()  # min_new_tokens holds EOS back
-    logits = model(queries[:1]).logits[0, -1]
-    assert set(out[:, 0].tolist()) <= set(logits.topk(3).indices.tolist())  # top-k: only the 3 likeliest tokens
-    sample.suppress_tokens = [tokenizer.pad_token_id]  # a setting the lean loop does not implement
-    assert not ppo.lean_decode_supported(model, sample)

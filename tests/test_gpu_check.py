@@ -1,0 +1,83 @@
+"""The GPU check without a GPU: benchmarks/gpu_check.py says in one line that there is no CUDA device and prints its
+whole table at the tiny size on CPU; its prompts have the stated length; benchmarks/gpu_wheels.py picks exactly the
+packages the GPU machine's image lacks; and the scripts' generation works with the transformers installed, be it
+this project's pin or the GPU machine's older release (cache keyword, cache dtypes under bf16 autocast)."""
+
+import importlib.metadata
+import inspect
+import json
+import re
+import sys
+
+import pytest
+import torch
+import transformers
+from transformers import AutoTokenizer
+
+import ppo
+import rloo
+from conftest import ROOT, run_script
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import gpu_check  # noqa: E402
+import gpu_wheels  # noqa: E402
+
+ROWS = ["generation: model.generate", "generation: decode loop (ppo.generate)",
+        "generation: decode loop, --compile", "ppo.py, 1 process",
+        "ppo.py, torchrun --nproc_per_node 1 (gloo)", "rloo.py, 1 process",
+        "rloo.py, torchrun --nproc_per_node 1 (gloo)"]
+
+
+def test_gpu_check_without_cuda_prints_the_tiny_table(tmp_path):
+    result = run_script("benchmarks/gpu_check.py", "--work-dir", tmp_path, env={"CUDA_VISIBLE_DEVICES": ""})
+    assert result.returncode == 0, result.stderr[-4000:]
+    lines = result.stdout.strip().splitlines()
+    assert lines[0] == "gpu_check: no CUDA device here, so the table below is the tiny size on CPU, not the GPU check"
+    table = lines[lines.index("| run | speed | first call / iteration (s) | peak RSS (MiB) | wall (s) | status |"):]
+    rows = {cells[0]: cells[1:] for cells in ([c.strip() for c in line.strip("|").split("|")] for line in table[2:])}
+    assert list(rows) == ROWS
+    for name in ROWS[:2]:
+        assert float(re.match(r"([\d,]+) tokens/s", rows[name][0])[1].replace(",", "")) > 0 and rows[name][-1] == "ok"
+    assert rows[ROWS[2]][-1].startswith("skipped on CPU")
+    for name in ROWS[3:]:
+        assert float(rows[name][0].removesuffix(" s/iter")) > 0 and rows[name][-1] == "ok", rows[name]
+        assert (rows[name][2] == "–") == ("torchrun" in name)  # peak memory of the single-process runs
+
+
+def test_prompts_have_the_stated_length(tmp_path):
+    gpu_check.build(tmp_path, gpu_check.TINY)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    prompts = [json.loads(line)["prompt"] for line in (tmp_path / "prompts.jsonl").read_text().splitlines()]
+    assert len(prompts) >= gpu_check.TINY.batch
+    assert {len(tokenizer(p).input_ids) for p in prompts} == {gpu_check.TINY.prompt_len}
+    assert len(tokenizer) == gpu_check.TINY.tokenizer_vocab
+
+
+def test_wheels_are_what_the_gpu_image_lacks():
+    need = gpu_wheels.missing(gpu_wheels.ROOTS)
+    assert {"tyro", "datasets"} <= need.keys()  # the scripts import both; the image has neither
+    assert not need.keys() & gpu_wheels.IMAGE and not need.keys() & {"torch", "transformers", "tokenizers", "tqdm"}
+    assert all(importlib.metadata.version(name) == version for name, version in need.items())
+
+
+@pytest.mark.parametrize("script", [ppo, rloo], ids=["ppo", "rloo"])
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "GPTNeoXForCausalLM", "MistralForCausalLM"])
+def test_cache_keyword_is_one_that_forward_takes(script, arch):
+    """decode_loop and shared_prefix_logprobs pass their caches as script.CACHE_KWARG: `cache` in transformers 5.24,
+    `past_key_values` in 5.17, whose forward would take a `cache=` into **kwargs and attend to the new token alone."""
+    assert script.CACHE_KWARG in inspect.signature(getattr(transformers, arch).forward).parameters
+
+
+def test_generate_under_bf16_autocast_with_fp32_weights():
+    """What --dtype bf16 runs: fp32 weights, forward passes under bf16 autocast, so keys come out fp32 (RoPE runs in
+    the weights' dtype) and values bf16. transformers 5.24's static cache keeps each in its own dtype; 5.17's keeps
+    both in the keys' and failed on the values, so there the decode loop declines and model.generate decodes."""
+    tokenizer = ppo.build_tokenizer()
+    torch.manual_seed(0)
+    model = ppo.build_tiny_model(tokenizer).eval()
+    queries = ppo.left_pad([tokenizer(p).input_ids for p in ["1+2=", "3+4+5="]], tokenizer.pad_token_id)
+    gen = transformers.GenerationConfig(do_sample=False, max_new_tokens=4, pad_token_id=tokenizer.pad_token_id,
+                                        eos_token_id=tokenizer.eos_token_id)
+    with ppo.autocast("bf16", torch.device("cpu")):
+        responses, lengths, ended = ppo.generate(model, tokenizer, queries, gen, [])
+    assert responses.shape[0] == 2 and 1 <= responses.shape[1] <= 4 and lengths.min() >= 1
