@@ -524,8 +524,8 @@ def off_policy_note(gen: GenArgs) -> str:
 def cut_responses(tokenizer, responses: torch.Tensor, stop_strings: list[str]) -> tuple:
     """Cut each response after its first EOS or stop string (both kept) and pad the rest. Returns responses [B, T],
     lengths [B] and ended [B] (bool: it ended with EOS or a stop string). A stop string cuts after the first token
-    whose decoded prefix holds it, found by bisection (a prefix's text holds whatever a shorter prefix's holds): a
-    few decodes per response, not one per token."""
+    whose decoded prefix holds it, found by bisection (a prefix's text holds whatever a shorter prefix's holds, but
+    for U+FFFD, what a partial character decodes to): a few decodes per response, not one per token."""
     rows, lengths, ended = responses.tolist(), [], []
     holds_stop = lambda ids: any(s in tokenizer.decode(ids) for s in stop_strings)
     for row in rows:
@@ -649,8 +649,11 @@ def decode_loop(model, queries: torch.Tensor, attention_mask: torch.Tensor, gen:
     mask = torch.nn.functional.pad(attention_mask, (0, C - Lq), value=1)  # [B, C]: 0 on left padding only (the
     # model's causal mask hides the slots not written yet)
     step = compiled_decode_step(gen.compile_config.mode) if gen.compile_config else decode_step
-    logits = model(input_ids=queries, attention_mask=mask, position_ids=position_ids_from(attention_mask),
-                   use_cache=True, logits_to_keep=1, **{CACHE_KWARG: cache}).logits[:, -1]  # [B, V]: prompts at once
+    # the prompts in one forward, eager even under --compile: a compiled forward would trace the cache's first fill
+    # and leave its tensors unfit for CUDA graphs
+    with torch.compiler.set_stance("force_eager"):
+        logits = model(input_ids=queries, attention_mask=mask, position_ids=position_ids_from(attention_mask),
+                       use_cache=True, logits_to_keep=1, **{CACHE_KWARG: cache}).logits[:, -1]  # [B, V]
     ids = torch.nn.functional.pad(queries, (0, T), value=gen.pad_token_id)  # [B, Lq + T]: prompts, then responses
     position = attention_mask.sum(1, keepdim=True)  # [B, 1]: each row's first new position
     done = torch.zeros(B, dtype=torch.bool, device=queries.device)
