@@ -1,6 +1,6 @@
 """The previous decode loop, kept only for benchmarks/vs_trl.py's generation line to compare against: `lean_decode`
-(hand-written Llama decoder layers with fused q/k/v and gate/up projections) and the `next_token` it sampled with, as
-ppo.py had them at commit c120fc9 before the scripts moved to the model's own forward with a static cache
+(hand-written Llama decoder layers with fused q/k/v and gate/up projections) as
+ppo.py had it at commit c120fc9 before the scripts moved to the model's own forward with a static cache
 (ppo.decode_loop). Not used by the scripts; only Llama, Mistral and Qwen2 models with default RoPE."""
 
 from collections.abc import Callable
@@ -9,41 +9,9 @@ import torch
 from transformers import GenerationConfig
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-
-def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Positions that skip left padding (absolute-position models such as GPT-2 need them)."""
-    return (attention_mask.cumsum(1) - 1).clamp(min=0)
+from ppo import next_token, position_ids_from  # unchanged since c120fc9
 
 
-def next_token(logits: torch.Tensor, seen: torch.Tensor, gen: GenerationConfig, step: int) -> torch.Tensor:
-    """Pick the next token [B] from logits [B, V] as `generate` does: repetition penalty over the ids seen [B, L], no
-    EOS before min_new_tokens, then greedy, or temperature, top-k, top-p and min-p before sampling."""
-    logits = logits.float()
-    if gen.repetition_penalty not in (None, 1.0):
-        score = logits.gather(1, seen)
-        logits.scatter_(1, seen, torch.where(score < 0, score * gen.repetition_penalty, score / gen.repetition_penalty))
-    if step < (gen.min_new_tokens or 0):
-        logits[:, gen.eos_token_id] = -float("inf")
-    if not gen.do_sample:
-        return logits.argmax(-1)
-    logits = logits / (gen.temperature or 1.0)
-    if gen.top_k:
-        kth = logits.topk(min(gen.top_k, logits.shape[-1])).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, -float("inf"))
-    if gen.top_p is not None and gen.top_p < 1.0:
-        sorted_logits, order = logits.sort(-1)  # ascending: drop the low tail holding 1 - top_p of the mass
-        drop = sorted_logits.softmax(-1).cumsum(-1) <= 1 - gen.top_p
-        drop[:, -1] = False
-        logits = logits.masked_fill(drop.scatter(1, order, drop), -float("inf"))
-    if gen.min_p:
-        probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < gen.min_p * probs.max(-1, keepdim=True).values, -float("inf"))
-    cdf = logits.softmax(-1).cumsum(-1)  # inverse-CDF sampling: the distribution of torch.multinomial, far cheaper
-    u = torch.rand(cdf.shape[0], 1, device=cdf.device) * cdf[:, -1:]
-    return torch.searchsorted(cdf, u)[:, 0].clamp(max=cdf.shape[1] - 1)
-
-
-@torch.no_grad()
 def lean_decode(model, queries: torch.Tensor, attention_mask: torch.Tensor, gen: GenerationConfig,
                 stop: Callable | None = None) -> torch.Tensor:
     """Responses [B, T] to left-padded queries [B, Lq], sampled as `generate` samples but with less work per token:
