@@ -207,6 +207,415 @@ class Args:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# The algorithm: PPO's math on tensors (small pure functions), then one update, ppo_step
+
+
+def response_valid_mask(responses: torch.Tensor, pad_token_id: int, eos_token_id: int | None = None,
+                        masks: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, T] bool: the tokens of each response, its final EOS included, padding excluded. A response ends after its
+    first EOS; when pad != EOS, trailing pad tokens are padding; trailing zeros of `masks` are padding too."""
+    B, T = responses.shape
+    length = torch.full((B,), T, device=responses.device)
+    if eos_token_id is not None:
+        is_eos = responses == eos_token_id
+        length = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, length)
+    if pad_token_id != eos_token_id:
+        length = torch.minimum(length, T - (responses.flip(1) == pad_token_id).int().cumprod(1).sum(1))
+    if masks is not None:
+        length = torch.minimum(length, T - (masks.flip(1) == 0).int().cumprod(1).sum(1))
+    return torch.arange(T, device=responses.device)[None] < length[:, None]
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of x over mask (0 when the mask is empty)."""
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """Normalise x over mask (and over all processes) to unit variance (unbiased) and, if shift_mean, zero mean."""
+    n, s = global_sum(mask.sum().float()), global_sum((x * mask).sum())
+    mean = s / n
+    var = global_sum((((x - mean) * mask) ** 2).sum()) / (n - 1).clamp(min=1)
+    whitened = (x - mean) * torch.rsqrt(var + 1e-8)
+    return whitened if shift_mean else whitened + mean
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token KL estimate of policy from reference at sampled tokens, with r = ref - logp (Schulman, "Approximating
+    KL Divergence"): k1 = logp - ref, k2 = r^2 / 2, k3 = exp(r) - 1 - r. As a value (a penalty in the reward), k1
+    and k3 estimate KL(pi || ref) without bias. As a loss term, only the expected gradient counts: k1's is 0 (no
+    penalty), k2's is exactly the gradient of KL(pi || ref), k3's that of KL(ref || pi), the other direction."""
+    if estimator == "k1":
+        return logprobs - ref_logprobs
+    r = ref_logprobs - logprobs
+    if estimator == "k2":
+        return 0.5 * r ** 2
+    if estimator == "k3":
+        return r.exp() - 1 - r
+    raise ValueError(f"unknown KL estimator {estimator!r}: use k1, k2 or k3")
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation backwards over T; rewards and values are 0 on padding. Returns
+    advantages and returns, both [B, T]."""
+    T = rewards.shape[1]
+    advantages, last = torch.zeros_like(rewards), torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(T)):
+        next_value = values[:, t + 1] if t + 1 < T else torch.zeros_like(last)
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        last = delta + gamma * lam * last
+        advantages[:, t] = last
+    return advantages, advantages + values
+
+
+def response_logprobs(policy, input_ids, attention_mask, responses: torch.Tensor, temperature: float,
+                      with_entropy: bool = False, entropy_grad: bool = False) -> tuple:
+    """Logprobs of the response tokens [B, T] (and entropy [B, T], differentiable only if entropy_grad) from logits
+    at response positions only; the logprob is gathered minus logsumexp, so no full log-softmax is kept."""
+    T = responses.shape[1]
+    logits = policy(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask),
+                    logits_to_keep=T + 1).logits[:, :-1].float() / temperature  # [B, T, V]
+    lse = logits.logsumexp(-1)
+    logprobs = logits.gather(-1, responses.unsqueeze(-1)).squeeze(-1) - lse
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        entropy = lse - (logits.softmax(-1) * logits).sum(-1) if with_entropy else None
+    return logprobs, entropy
+
+
+def response_values(value_model, input_ids, attention_mask, T: int) -> torch.Tensor:
+    """Value of the state before each response token; [B, T]."""
+    out = value_model(input_ids=input_ids, attention_mask=attention_mask,
+                      position_ids=position_ids_from(attention_mask)).logits  # [B, L, 1]
+    return out[:, -T - 1:-1, 0].float()
+
+
+def step_rewards(steps: list[tuple[int, float]], weight: float) -> list[tuple[int, float]]:
+    """Process rewards of one response from its (token index, p) steps, as potential-based shaping (Ng et al. 1999):
+    the potential is w x min(p_1..p_k) after k steps, 0 before the first step and at the end; step k gets the
+    change of potential on its last token, and the response's last token gets -(final potential) (index -1 here).
+    They add up to 0, so they change no optimal policy, only when credit comes: a reward for each sound step, a drop
+    on the step where the PRM's doubt begins. (A plain sum of step scores pays for writing steps, not for solving:
+    PPO learns to write one confident step and stop.)"""
+    out, low, previous = [], 1.0, 0.0
+    for j, p in steps:
+        low = min(low, p)
+        out.append((j, weight * low - previous))
+        previous = weight * low
+    return out + [(-1, -previous)] if steps else []
+
+
+def token_rewards(scores: torch.Tensor, masks: torch.Tensor, process: list | None, weight: float) -> torch.Tensor:
+    """What ppo_step gets: the scores [B] alone, or with process rewards per token [B, T]: each step's reward on the
+    token where the step ends, the score on the last token of the response."""
+    if process is None:
+        return scores
+    rewards = torch.zeros(masks.shape)
+    last = masks.sum(1).clamp(min=1) - 1
+    rewards[torch.arange(len(scores)), last] = scores
+    for b, steps in enumerate(process):
+        for j, r in step_rewards(steps, weight):
+            rewards[b, last[b] if j < 0 else j] += r
+    return rewards
+
+
+def ppo_step(policy, value_model, ref_policy, optimizer, queries: torch.Tensor, responses: torch.Tensor,
+             rewards: torch.Tensor, masks: torch.Tensor | None = None, *, hp: PPOHParams, pad_token_id: int,
+             eos_token_id: int | None = None) -> dict[str, float]:
+    """One PPO update on a batch of finished episodes.
+
+    queries [B, Lq] left-padded prompt ids; responses [B, T] right-padded response ids; rewards [B] (one score per
+    response) or [B, T] (per-token: dense or process rewards); masks [B, T] with 0 on response tokens that must not
+    be trained on (tool output: no gradient, no KL). A response ends after its first eos_token_id (pass None when
+    EOS may appear inside an episode) and before its trailing pad tokens and its trailing mask-0 tokens: an episode
+    that ends with tool output loses that output from the value loss too, and a [B, T] reward placed past the end
+    counts on the response's last token. The models must not apply dropout (a ValueError: call
+    disable_dropout(model) or model.eval() first), or the rollout's and the update's forward passes would differ.
+    Returns metrics.
+    """
+    B, T = responses.shape
+    micro = B // (hp.num_mini_batches * hp.gradient_accumulation_steps)
+    if micro * hp.num_mini_batches * hp.gradient_accumulation_steps != B:
+        raise ValueError(f"batch of {B} does not split into {hp.num_mini_batches} mini-batches x "
+                         f"{hp.gradient_accumulation_steps} accumulation steps")
+    refuse_dropout(policy=policy, value_model=value_model, ref_policy=ref_policy)
+    device = next(policy.parameters()).device
+    queries, responses, rewards = queries.to(device), responses.to(device), rewards.to(device).float()
+
+    # 1. Masks: `valid` is the response itself (padding excluded), `train` the valid tokens not masked out.
+    valid = response_valid_mask(responses, pad_token_id, eos_token_id, None if masks is None else masks.to(device))
+    train = valid & (masks.to(device).bool() if masks is not None else True)
+    query_mask = (queries != pad_token_id).cumsum(1) > 0  # left padding is the leading run of pad tokens
+    input_ids = torch.cat([queries, responses], 1)  # [B, Lq + T]
+    attention_mask = torch.cat([query_mask, valid], 1).long()
+
+    # 2. Rollout forward passes: reference logprobs without gradients, in chunks; the policy's old logprobs and
+    # the old values the same way, unless the update is one mini-batch without accumulation: then the first
+    # epoch's forward pass (with gradients) is the rollout's, and it is kept rather than done twice.
+    amp = lambda: autocast(hp.dtype, device)  # noqa: E731
+    fused = hp.num_mini_batches == 1 and hp.gradient_accumulation_steps == 1
+    if fused:
+        with amp():
+            first = (*response_logprobs(policy, input_ids, attention_mask, responses, hp.temperature, True,
+                                        hp.ent_coef > 0), response_values(value_model, input_ids, attention_mask, T))
+    with torch.no_grad(), amp():
+        chunks = [slice(i, i + hp.forward_batch_size) for i in range(0, B, hp.forward_batch_size)]
+        logprobs_of = lambda model: torch.cat([response_logprobs(  # noqa: E731
+            model, input_ids[c], attention_mask[c], responses[c], hp.temperature)[0] for c in chunks])
+        ref_logprobs = logprobs_of(ref_policy)
+        if fused:
+            old_logprobs, old_values = first[0].detach(), first[2].detach() * valid
+        else:
+            old_logprobs = logprobs_of(policy)
+            old_values = torch.cat([response_values(value_model, input_ids[c], attention_mask[c], T)
+                                    for c in chunks]) * valid
+
+        # 3. Per-token rewards: -kl_coef * KL on trained tokens, plus the score on the last token of the response.
+        kl = kl_penalty(old_logprobs, ref_logprobs, hp.kl_estimator) * train  # [B, T]
+        non_score = -hp.kl_coef * kl
+        last = (valid.sum(1) - 1).clamp(min=0)  # [B] index of the last response token
+        if rewards.dim() == 1:
+            scores = rewards
+            per_token = non_score.clone()
+            per_token[torch.arange(B, device=device), last] += rewards
+        else:  # rewards on padding (past the response's end) move to its last token: no reward is dropped
+            scores = rewards.sum(1)
+            per_token = non_score + rewards * valid
+            per_token[torch.arange(B, device=device), last] += (rewards * ~valid).sum(1)
+        if hp.whiten_rewards:
+            per_token = masked_whiten(per_token, valid, shift_mean=False) * valid
+
+        # 4. GAE over the response, returns = advantages + values, advantages whitened over trained tokens.
+        advantages, returns = gae(per_token, old_values, hp.gamma, hp.lam)
+        advantages = masked_whiten(advantages, train) * train
+
+    # 5. PPO epochs over shuffled mini-batches; losses are token sums divided by the mini-batch's token count over
+    # all processes, so gradient accumulation and data parallelism give the gradient of the whole mini-batch.
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    stats = {k: [] for k in ("pg_loss", "vf_loss", "approxkl", "clipfrac", "vf_clipfrac", "entropy", "ratio")}
+    mini, skipped = B // hp.num_mini_batches, 0
+    for epoch in range(hp.num_ppo_epochs):
+        order = torch.randperm(B, device=device)
+        for start in range(0, B, mini):
+            mb = order[start:start + mini]
+            n_train = global_sum(train[mb].sum().float()).clamp(min=1) / world_size()
+            n_valid = global_sum(valid[mb].sum().float()).clamp(min=1) / world_size()
+            bad = torch.zeros((), device=device)
+            for m in range(0, mini, micro):
+                i = mb[m:m + micro]
+                if fused and epoch == 0:
+                    new_logprobs, entropy, new_values = (x[i] for x in first)
+                else:
+                    with amp():
+                        new_logprobs, entropy = response_logprobs(policy, input_ids[i], attention_mask[i], responses[i],
+                                                                  hp.temperature, True, hp.ent_coef > 0)
+                        new_values = response_values(value_model, input_ids[i], attention_mask[i], T)
+                v_clipped = old_values[i] + (new_values - old_values[i]).clamp(-hp.cliprange_value, hp.cliprange_value)
+                vf_unclipped, vf_clipped = (new_values - returns[i]) ** 2, (v_clipped - returns[i]) ** 2
+                vf_losses = torch.max(vf_unclipped, vf_clipped)
+                vf_loss = 0.5 * (vf_losses * valid[i]).sum() / n_valid
+                log_ratio = new_logprobs - old_logprobs[i]
+                ratio = log_ratio.exp()
+                pg_losses = torch.max(-advantages[i] * ratio,
+                                      -advantages[i] * ratio.clamp(1 - hp.cliprange, 1 + hp.cliprange))
+                pg_loss = (pg_losses * train[i]).sum() / n_train
+                loss = pg_loss + hp.vf_coef * vf_loss
+                if hp.ent_coef > 0:
+                    loss = loss - hp.ent_coef * (entropy * train[i]).sum() / n_train
+                loss.backward()  # even when not finite: every process runs the same collectives
+                if not torch.isfinite(loss):
+                    bad += 1
+                    continue
+                with torch.no_grad():
+                    t, v = train[i], valid[i]
+                    stats["pg_loss"].append(masked_mean(pg_losses, t))
+                    stats["vf_loss"].append(0.5 * masked_mean(vf_losses, v))
+                    stats["approxkl"].append(0.5 * masked_mean(log_ratio ** 2, t))
+                    stats["clipfrac"].append(masked_mean(((ratio - 1).abs() > hp.cliprange).float(), t))
+                    stats["vf_clipfrac"].append(masked_mean((vf_clipped > vf_unclipped).float(), v))
+                    stats["entropy"].append(masked_mean(entropy, t))
+                    stats["ratio"].append(masked_mean(ratio, t))
+            if not step_or_skip(optimizer, params, global_sum(bad) > 0, hp.max_grad_norm, hp.skip_nonfinite):
+                skipped += 1
+
+    # 6. Metrics (means over this process's batch; the caller averages them over processes).
+    ratios = torch.stack(stats["ratio"]) if stats["ratio"] else torch.full((1,), float("nan"))
+    mean = lambda k: torch.stack(stats[k]).mean().item() if stats[k] else float("nan")  # noqa: E731
+    eos = (responses.gather(1, last[:, None])[:, 0] == eos_token_id) & valid.any(1) if eos_token_id is not None \
+        else torch.zeros(B, dtype=torch.bool, device=device)
+    return {
+        "objective/kl": kl.sum(1).mean().item(),
+        "objective/entropy": (-old_logprobs * train).sum(1).mean().item(),
+        "objective/non_score_reward": non_score.sum(1).mean().item(),
+        "objective/rlhf_reward": (scores + non_score.sum(1)).mean().item(),
+        "objective/scores": scores.mean().item(),
+        "policy/approxkl_avg": mean("approxkl"),
+        "policy/clipfrac_avg": mean("clipfrac"),
+        "policy/entropy_avg": mean("entropy"),
+        "loss/policy_avg": mean("pg_loss"),
+        "loss/value_avg": mean("vf_loss"),
+        "val/clipfrac_avg": mean("vf_clipfrac"),
+        "val/ratio": ratios.mean().item(),
+        "val/ratio_var": ratios.var().item() if len(ratios) > 1 else 0.0,
+        "val/num_eos_tokens": eos.sum().item(),
+        "val/response_length": valid.sum(1).float().mean().item(),
+        "loss/nonfinite_skipped": float(skipped),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The loop: one iteration is the numbered steps below. main() calls the machinery under the marker: Python looks
+# names up when a call runs, so they may be defined after it.
+
+
+def main(args: Args) -> None:
+    hp, gen = args.ppo, args.gen
+    # ---- validate the configuration before anything is loaded
+    rank, world, device = setup_distributed()
+    builtin_task = check_task(args.task)
+    gen.max_new_tokens = gen.max_new_tokens or (4 if builtin_task else 64)
+    local_batch = args.batch_size // world
+    if args.batch_size % world or local_batch % (hp.num_mini_batches * hp.gradient_accumulation_steps):
+        fail("--batch-size", args.batch_size, f"must be divisible by {world} process(es) x --num-mini-batches "
+             f"({hp.num_mini_batches}) x --gradient-accumulation-steps ({hp.gradient_accumulation_steps})")
+    num_iterations = args.total_episodes // args.batch_size
+    if num_iterations < 1:
+        fail("--total-episodes", args.total_episodes, f"must be at least --batch-size ({args.batch_size})")
+    if args.resume and args.resume != "latest" and args.output_dir is None:
+        args.output_dir = str(Path(args.resume).parent.parent)
+    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    output_dir = Path(args.output_dir or f"runs/{run_name}")
+    ckpt = find_checkpoint(args.resume, output_dir) if args.resume else None
+
+    # ---- models: policy, frozen reference, value model; the same initial weights in every process
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    tokenizer, policy = load_policy(args.model, args.trust_remote_code)
+    # 7. Models: a frozen copy of the policy is the reference; the value model is a one-label token classifier.
+    ref_policy = disable_dropout(copy.deepcopy(policy)).eval().requires_grad_(False)
+    if args.value_model or args.task.reward_model:
+        flag = "--value-model" if args.value_model else "--reward-model"
+        value_model = load_pretrained(AutoModelForTokenClassification, args.value_model or args.task.reward_model,
+                                      flag, args.trust_remote_code, num_labels=1)
+    else:
+        config = copy.deepcopy(policy.config)
+        config.num_labels = 1
+        value_model = AutoModelForTokenClassification.from_config(config)
+        missing = value_model.load_state_dict(policy.state_dict(), strict=False).missing_keys
+        if any(k.startswith(value_model.base_model_prefix + ".") for k in missing):
+            fail("--model", args.model, "the value model cannot take the policy's weights; give --value-model")
+    value_model.config.pad_token_id = tokenizer.pad_token_id
+    task = load_task(args.task, tokenizer, model_context(policy), gen.max_new_tokens, args.trust_remote_code)
+    if args.fsdp and not torch.distributed.is_initialized():
+        fail("--fsdp", True, "FSDP shards over processes: launch with torchrun --nproc_per_node N")
+    if len(task["eval_rows"]) < world:
+        fail("--num-eval-prompts", args.task.num_eval_prompts, f"give at least one per process ({world})")
+    if ckpt is not None:
+        policy.load_state_dict(AutoModelForCausalLM.from_pretrained(ckpt / "policy").state_dict())
+        value_model.load_state_dict(AutoModelForTokenClassification.from_pretrained(ckpt / "value").state_dict())
+    models = {"policy": policy, "value": value_model}
+    for model in (policy, ref_policy, value_model, task["reward_model"], task["prm"]):
+        if model is not None:
+            disable_dropout(model.to(device))
+            shard(model, init_device_mesh(device.type, (world,))) if args.fsdp else None
+    lr = args.learning_rate or (1e-3 if args.model == "builtin" else 3e-6)
+    optimizer = torch.optim.AdamW([*policy.parameters(), *value_model.parameters()], lr=lr, eps=1e-5)
+
+    # ---- seeding per process (ranks sample differently), or the saved state of a resumed run
+    random.seed(args.seed + rank)
+    torch.manual_seed(args.seed + rank)
+    start, episode, elapsed, accuracy = 1, 0, 0.0, None  # accuracy: the last evaluation's, for the progress bar
+    prompt_state = {"epoch": 0, "pos": 0, "rng": random.Random(args.seed).getstate()}
+    if ckpt is not None:
+        state = load_state(ckpt)
+        load_optimizer_state(optimizer, state["optimizer"])
+        set_rng_states(state["rng"][rank % len(state["rng"])])
+        prompt_state, run_name, accuracy = state["prompt_state"], state["run_name"], state["accuracy"]
+        start, episode, elapsed = state["iteration"] + 1, state["episode"], state["elapsed"]
+    if args.compile:
+        for model in (policy, ref_policy, value_model):
+            model.forward = torch.compile(model.forward, dynamic=True)
+    metrics_path, run = open_run(args, output_dir, start, run_name) if rank == 0 else (None, None)
+    sample, greedy = generation_configs(gen, tokenizer, hp.temperature)
+    if args.compile:  # decode_loop's one-token step, one graph per batch size, replayed as a CUDA graph on GPUs
+        sample.compile_config = greedy.compile_config = CompileConfig(
+            fullgraph=True, dynamic=False, mode="reduce-overhead" if device.type == "cuda" else "default")
+    if rank == 0 and off_policy_note(gen):
+        print(off_policy_note(gen))
+
+    if start == 1:
+        with autocast(hp.dtype, device):
+            metrics, samples = evaluate(policy, tokenizer, task, greedy, gen.stop_strings, rank, world)
+        log_row(metrics_path, run, {"iteration": 0, "episode": 0, "elapsed_s": 0.0, **metrics}, samples)
+        accuracy = metrics["task/accuracy"]
+    progress = tqdm(range(start, num_iterations + 1), initial=start - 1, total=num_iterations, desc="ppo",
+                    disable=rank != 0)
+    t0 = time.time() - elapsed
+    for iteration in progress:
+        # 8. Rollout: anneal the learning rate, take this process's share of the prompts, sample and score.
+        if args.anneal_lr:
+            optimizer.param_groups[0]["lr"] = lr * (1 - (iteration - 1) / num_iterations)
+        rows = draw_rows(task, prompt_state, args.batch_size, args.seed)[rank * local_batch:(rank + 1) * local_batch]
+        with autocast(hp.dtype, device):
+            out = rollout(policy, tokenizer, rows, sample, gen.stop_strings, task)
+        # 9. Update: the scores (with a PRM, per-token process rewards too) go into one ppo_step.
+        try:
+            metrics = ppo_step(policy, value_model, ref_policy, optimizer, out["queries"], out["responses"],
+                               token_rewards(out["scores"], out["masks"], out["process"], args.task.prm_weight),
+                               out["masks"], hp=hp, pad_token_id=tokenizer.pad_token_id,
+                               eos_token_id=tokenizer.eos_token_id)
+        except FloatingPointError as e:
+            fail("--skip-nonfinite", False, f"{e} at iteration {iteration}: the run stops here, its last good "
+                 "checkpoint kept; lower --learning-rate, check the rewards, or pass --skip-nonfinite")
+        # 10. Log: metrics averaged over processes (counts summed), one row per iteration; greedy evaluation every
+        # --eval-every.
+        if out["process"] is not None:
+            metrics["objective/prm_min_step_score"] = sum(min((p for _, p in steps), default=0)
+                                                          for steps in out["process"]) / len(rows)
+        episode += args.batch_size
+        row = {"iteration": iteration, "episode": episode, "elapsed_s": round(time.time() - t0, 3),
+               "lr": optimizer.param_groups[0]["lr"], **average_metrics(metrics, device, ("val/num_eos_tokens",))}
+        if args.compile and iteration == start:  # torch.compile's seconds so far: the decode steps and the forwards
+            row["perf/compile_s"] = round(torch._dynamo.utils.calculate_time_spent()["total_wall_time"], 1)
+        samples = None
+        if iteration % args.eval_every == 0 or iteration == num_iterations:
+            with autocast(hp.dtype, device):
+                eval_metrics, samples = evaluate(policy, tokenizer, task, greedy, gen.stop_strings, rank, world)
+            row.update(eval_metrics)
+        log_row(metrics_path, run, row, samples)
+        accuracy = row.get("task/accuracy", accuracy)
+        progress.set_postfix(score=f"{row['objective/scores']:.3f}", kl=f"{row['objective/kl']:.3f}",
+                             acc=f"{accuracy:.3f}")
+        # 11. Checkpoint: models, optimizer, random states and prompt position, written whole or not at all.
+        if args.save_every and iteration % args.save_every == 0:
+            rngs = [rng_states()] * world
+            if world > 1:
+                torch.distributed.all_gather_object(rngs, rng_states())
+            state = {"iteration": iteration, "episode": episode, "elapsed": time.time() - t0, "run_name": run_name,
+                     "optimizer": optimizer_state(optimizer), "rng": rngs, "prompt_state": prompt_state,
+                     "accuracy": accuracy}
+            weights = {name: full_state_dict(model) for name, model in models.items()}
+            if rank == 0:
+                save_checkpoint(output_dir / "checkpoints" / f"iter_{iteration:06d}", models, weights, tokenizer, state,
+                                args.keep_checkpoints)
+
+    weights = full_state_dict(policy)
+    if rank == 0:
+        policy.save_pretrained(output_dir / "model", state_dict=weights)
+        tokenizer.save_pretrained(output_dir / "model")
+        final = json.loads(metrics_path.read_text().splitlines()[-1])
+        print(f"final task/accuracy {final.get('task/accuracy')} eval/scores {final.get('eval/scores')} after "
+              f"{final['episode']} episodes in {final['elapsed_s']:.0f}s; model in {output_dir / 'model'}")
+    if run is not None:
+        run.finish()
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()  # no process tears the group down while another still uses it (saving)
+        torch.distributed.destroy_process_group()
+
+
+# Machinery below: loading and checking inputs, the task, generation, processes, checkpoints, logs; no algorithm.
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # The built-in task: a character tokenizer, a tiny model, and single-digit addition with partial credit
 
 
@@ -282,7 +691,7 @@ def addition_reward(prompts, completions, completion_ids, answer, tokenizer, **k
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Loading: callables, models, prompts and rewards
+# Loading and checking what the user gives: callables, models, prompts, rewards
 
 
 def fail(flag: str, value: Any, fix: str) -> NoReturn:
@@ -484,7 +893,7 @@ def draw_rows(task: dict, state: dict, n: int, seed: int) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Generation and scoring
+# Generation and scoring: the decode loop around the model's own forward, reward calls, the rollout
 
 
 def left_pad(seqs: list[list[int]], pad_token_id: int) -> torch.Tensor:
@@ -519,25 +928,6 @@ def off_policy_note(gen: GenArgs) -> str:
         return ""
     return (f"note: {', '.join(flags)} change what is sampled, but the update takes the samples as drawn from the "
             "plain temperature softmax: it is off-policy, and its ratios do not correct for that")
-
-
-def cut_responses(tokenizer, responses: torch.Tensor, stop_strings: list[str]) -> tuple:
-    """Cut each response after its first EOS or stop string (both kept) and pad the rest. Returns responses [B, T],
-    lengths [B] and ended [B] (bool: it ended with EOS or a stop string). A stop string cuts after the first token
-    whose decoded prefix holds it, found by bisection (a prefix's text holds whatever a shorter prefix's holds, but
-    for U+FFFD, what a partial character decodes to): a few decodes per response, not one per token."""
-    rows, lengths, ended = responses.tolist(), [], []
-    holds_stop = lambda ids: any(s in tokenizer.decode(ids) for s in stop_strings)
-    for row in rows:
-        n = row.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in row else len(row)
-        done = tokenizer.eos_token_id in row
-        if stop_strings and holds_stop(row[:n]):
-            n = bisect.bisect_left(range(n + 1), True, lo=1, key=lambda k: holds_stop(row[:k]))
-            done = True
-        row[n:] = [tokenizer.pad_token_id] * (len(row) - n)
-        lengths.append(n)
-        ended.append(done)
-    return torch.tensor(rows, dtype=torch.long), torch.tensor(lengths), torch.tensor(ended)
 
 
 def next_token(logits: torch.Tensor, seen: torch.Tensor, gen: GenerationConfig, step: int) -> torch.Tensor:
@@ -703,6 +1093,25 @@ def generate(policy, tokenizer, queries: torch.Tensor, gen: GenerationConfig, st
     return cut_responses(tokenizer, out.cpu(), stop_strings)
 
 
+def cut_responses(tokenizer, responses: torch.Tensor, stop_strings: list[str]) -> tuple:
+    """Cut each response after its first EOS or stop string (both kept) and pad the rest. Returns responses [B, T],
+    lengths [B] and ended [B] (bool: it ended with EOS or a stop string). A stop string cuts after the first token
+    whose decoded prefix holds it, found by bisection (a prefix's text holds whatever a shorter prefix's holds, but
+    for U+FFFD, what a partial character decodes to): a few decodes per response, not one per token."""
+    rows, lengths, ended = responses.tolist(), [], []
+    holds_stop = lambda ids: any(s in tokenizer.decode(ids) for s in stop_strings)
+    for row in rows:
+        n = row.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in row else len(row)
+        done = tokenizer.eos_token_id in row
+        if stop_strings and holds_stop(row[:n]):
+            n = bisect.bisect_left(range(n + 1), True, lo=1, key=lambda k: holds_stop(row[:k]))
+            done = True
+        row[n:] = [tokenizer.pad_token_id] * (len(row) - n)
+        lengths.append(n)
+        ended.append(done)
+    return torch.tensor(rows, dtype=torch.long), torch.tensor(lengths), torch.tensor(ended)
+
+
 def call_reward_fns(reward_fns: list, weights: list[float], prompts: list, completions: list,
                     completion_ids: list, columns: dict, reward_model: bool = False) -> torch.Tensor:
     """Weighted sum of TRL-style reward functions; [B]. Each returns, per completion, a finite real number (Python or
@@ -769,35 +1178,6 @@ def process_rewards(prm, prm_tokenizer, tokenizer, prompts: list, completion_ids
     return [[(j, p_correct[b, i].item()) for i, j in zip(*place)] for b, place in enumerate(places)]
 
 
-def step_rewards(steps: list[tuple[int, float]], weight: float) -> list[tuple[int, float]]:
-    """Process rewards of one response from its (token index, p) steps, as potential-based shaping (Ng et al. 1999):
-    the potential is w x min(p_1..p_k) after k steps, 0 before the first step and at the end; step k gets the
-    change of potential on its last token, and the response's last token gets -(final potential) (index -1 here).
-    They add up to 0, so they change no optimal policy, only when credit comes: a reward for each sound step, a drop
-    on the step where the PRM's doubt begins. (A plain sum of step scores pays for writing steps, not for solving:
-    PPO learns to write one confident step and stop.)"""
-    out, low, previous = [], 1.0, 0.0
-    for j, p in steps:
-        low = min(low, p)
-        out.append((j, weight * low - previous))
-        previous = weight * low
-    return out + [(-1, -previous)] if steps else []
-
-
-def token_rewards(scores: torch.Tensor, masks: torch.Tensor, process: list | None, weight: float) -> torch.Tensor:
-    """What ppo_step gets: the scores [B] alone, or with process rewards per token [B, T]: each step's reward on the
-    token where the step ends, the score on the last token of the response."""
-    if process is None:
-        return scores
-    rewards = torch.zeros(masks.shape)
-    last = masks.sum(1).clamp(min=1) - 1
-    rewards[torch.arange(len(scores)), last] = scores
-    for b, steps in enumerate(process):
-        for j, r in step_rewards(steps, weight):
-            rewards[b, last[b] if j < 0 else j] += r
-    return rewards
-
-
 def rollout(policy, tokenizer, rows: list[dict], gen: GenerationConfig, stop_strings: list[str], task: dict) -> dict:
     """Generate responses to prompt rows and score them. Returns queries [B, Lq], responses [B, T], masks [B, T]
     (1 on response tokens), scores [B], ended [B], the prompts and completion texts, and with a PRM its step
@@ -830,24 +1210,21 @@ def rollout(policy, tokenizer, rows: list[dict], gen: GenerationConfig, stop_str
             "prompts": prompts, "texts": texts, "process": process}
 
 
+def evaluate(policy, tokenizer, task: dict, greedy: GenerationConfig, stop_strings: list[str], rank: int,
+             world: int) -> tuple[dict, list]:
+    """Greedy decoding on the task's fixed evaluation rows (split over processes): mean score and task/accuracy
+    (the fraction reaching --success-threshold), and a few samples."""
+    out = rollout(policy, tokenizer, task["eval_rows"][rank::world], greedy, stop_strings, task)
+    device = next(policy.parameters()).device
+    success = (out["scores"] >= task["args"].success_threshold).sum()
+    total = global_sum(torch.tensor([out["scores"].sum(), success, len(out["scores"])], dtype=torch.float64,
+                                    device=device)).tolist()
+    samples = [[str(p), t, s] for p, t, s in zip(out["prompts"], out["texts"], out["scores"].tolist())][:16]
+    return {"eval/scores": total[0] / total[2], "task/accuracy": total[1] / total[2]}, samples
+
+
 # ---------------------------------------------------------------------------------------------------------------------
-# PPO math: small pure functions on tensors
-
-
-def response_valid_mask(responses: torch.Tensor, pad_token_id: int, eos_token_id: int | None = None,
-                        masks: torch.Tensor | None = None) -> torch.Tensor:
-    """[B, T] bool: the tokens of each response, its final EOS included, padding excluded. A response ends after its
-    first EOS; when pad != EOS, trailing pad tokens are padding; trailing zeros of `masks` are padding too."""
-    B, T = responses.shape
-    length = torch.full((B,), T, device=responses.device)
-    if eos_token_id is not None:
-        is_eos = responses == eos_token_id
-        length = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, length)
-    if pad_token_id != eos_token_id:
-        length = torch.minimum(length, T - (responses.flip(1) == pad_token_id).int().cumprod(1).sum(1))
-    if masks is not None:
-        length = torch.minimum(length, T - (masks.flip(1) == 0).int().cumprod(1).sum(1))
-    return torch.arange(T, device=responses.device)[None] < length[:, None]
+# Processes: autocast, data parallelism and FSDP2, dropout
 
 
 def autocast(dtype: str, device: torch.device) -> torch.autocast:
@@ -896,221 +1273,6 @@ def step_or_skip(optimizer, params: list, nonfinite: bool, max_grad_norm: float,
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return not nonfinite
-
-
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean of x over mask (0 when the mask is empty)."""
-    return (x * mask).sum() / mask.sum().clamp(min=1)
-
-
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
-    """Normalise x over mask (and over all processes) to unit variance (unbiased) and, if shift_mean, zero mean."""
-    n, s = global_sum(mask.sum().float()), global_sum((x * mask).sum())
-    mean = s / n
-    var = global_sum((((x - mean) * mask) ** 2).sum()) / (n - 1).clamp(min=1)
-    whitened = (x - mean) * torch.rsqrt(var + 1e-8)
-    return whitened if shift_mean else whitened + mean
-
-
-def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token KL estimate of policy from reference at sampled tokens, with r = ref - logp (Schulman, "Approximating
-    KL Divergence"): k1 = logp - ref, k2 = r^2 / 2, k3 = exp(r) - 1 - r. As a value (a penalty in the reward), k1
-    and k3 estimate KL(pi || ref) without bias. As a loss term, only the expected gradient counts: k1's is 0 (no
-    penalty), k2's is exactly the gradient of KL(pi || ref), k3's that of KL(ref || pi), the other direction."""
-    if estimator == "k1":
-        return logprobs - ref_logprobs
-    r = ref_logprobs - logprobs
-    if estimator == "k2":
-        return 0.5 * r ** 2
-    if estimator == "k3":
-        return r.exp() - 1 - r
-    raise ValueError(f"unknown KL estimator {estimator!r}: use k1, k2 or k3")
-
-
-def gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimation backwards over T; rewards and values are 0 on padding. Returns
-    advantages and returns, both [B, T]."""
-    T = rewards.shape[1]
-    advantages, last = torch.zeros_like(rewards), torch.zeros_like(rewards[:, 0])
-    for t in reversed(range(T)):
-        next_value = values[:, t + 1] if t + 1 < T else torch.zeros_like(last)
-        delta = rewards[:, t] + gamma * next_value - values[:, t]
-        last = delta + gamma * lam * last
-        advantages[:, t] = last
-    return advantages, advantages + values
-
-
-def response_logprobs(policy, input_ids, attention_mask, responses: torch.Tensor, temperature: float,
-                      with_entropy: bool = False, entropy_grad: bool = False) -> tuple:
-    """Logprobs of the response tokens [B, T] (and entropy [B, T], differentiable only if entropy_grad) from logits
-    at response positions only; the logprob is gathered minus logsumexp, so no full log-softmax is kept."""
-    T = responses.shape[1]
-    logits = policy(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask),
-                    logits_to_keep=T + 1).logits[:, :-1].float() / temperature  # [B, T, V]
-    lse = logits.logsumexp(-1)
-    logprobs = logits.gather(-1, responses.unsqueeze(-1)).squeeze(-1) - lse
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        entropy = lse - (logits.softmax(-1) * logits).sum(-1) if with_entropy else None
-    return logprobs, entropy
-
-
-def response_values(value_model, input_ids, attention_mask, T: int) -> torch.Tensor:
-    """Value of the state before each response token; [B, T]."""
-    out = value_model(input_ids=input_ids, attention_mask=attention_mask,
-                      position_ids=position_ids_from(attention_mask)).logits  # [B, L, 1]
-    return out[:, -T - 1:-1, 0].float()
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# The PPO update
-
-
-def ppo_step(policy, value_model, ref_policy, optimizer, queries: torch.Tensor, responses: torch.Tensor,
-             rewards: torch.Tensor, masks: torch.Tensor | None = None, *, hp: PPOHParams, pad_token_id: int,
-             eos_token_id: int | None = None) -> dict[str, float]:
-    """One PPO update on a batch of finished episodes.
-
-    queries [B, Lq] left-padded prompt ids; responses [B, T] right-padded response ids; rewards [B] (one score per
-    response) or [B, T] (per-token: dense or process rewards); masks [B, T] with 0 on response tokens that must not
-    be trained on (tool output: no gradient, no KL). A response ends after its first eos_token_id (pass None when
-    EOS may appear inside an episode) and before its trailing pad tokens and its trailing mask-0 tokens: an episode
-    that ends with tool output loses that output from the value loss too, and a [B, T] reward placed past the end
-    counts on the response's last token. The models must not apply dropout (a ValueError: call
-    disable_dropout(model) or model.eval() first), or the rollout's and the update's forward passes would differ.
-    Returns metrics.
-    """
-    B, T = responses.shape
-    micro = B // (hp.num_mini_batches * hp.gradient_accumulation_steps)
-    if micro * hp.num_mini_batches * hp.gradient_accumulation_steps != B:
-        raise ValueError(f"batch of {B} does not split into {hp.num_mini_batches} mini-batches x "
-                         f"{hp.gradient_accumulation_steps} accumulation steps")
-    refuse_dropout(policy=policy, value_model=value_model, ref_policy=ref_policy)
-    device = next(policy.parameters()).device
-    queries, responses, rewards = queries.to(device), responses.to(device), rewards.to(device).float()
-
-    # 1. Masks: `valid` is the response itself (padding excluded), `train` the valid tokens not masked out.
-    valid = response_valid_mask(responses, pad_token_id, eos_token_id, None if masks is None else masks.to(device))
-    train = valid & (masks.to(device).bool() if masks is not None else True)
-    query_mask = (queries != pad_token_id).cumsum(1) > 0  # left padding is the leading run of pad tokens
-    input_ids = torch.cat([queries, responses], 1)  # [B, Lq + T]
-    attention_mask = torch.cat([query_mask, valid], 1).long()
-
-    # 2. Rollout forward passes: reference logprobs without gradients, in chunks; the policy's old logprobs and
-    # the old values the same way, unless the update is one mini-batch without accumulation: then the first
-    # epoch's forward pass (with gradients) is the rollout's, and it is kept rather than done twice.
-    amp = lambda: autocast(hp.dtype, device)  # noqa: E731
-    fused = hp.num_mini_batches == 1 and hp.gradient_accumulation_steps == 1
-    if fused:
-        with amp():
-            first = (*response_logprobs(policy, input_ids, attention_mask, responses, hp.temperature, True,
-                                        hp.ent_coef > 0), response_values(value_model, input_ids, attention_mask, T))
-    with torch.no_grad(), amp():
-        chunks = [slice(i, i + hp.forward_batch_size) for i in range(0, B, hp.forward_batch_size)]
-        logprobs_of = lambda model: torch.cat([response_logprobs(  # noqa: E731
-            model, input_ids[c], attention_mask[c], responses[c], hp.temperature)[0] for c in chunks])
-        ref_logprobs = logprobs_of(ref_policy)
-        if fused:
-            old_logprobs, old_values = first[0].detach(), first[2].detach() * valid
-        else:
-            old_logprobs = logprobs_of(policy)
-            old_values = torch.cat([response_values(value_model, input_ids[c], attention_mask[c], T)
-                                    for c in chunks]) * valid
-
-        # 3. Per-token rewards: -kl_coef * KL on trained tokens, plus the score on the last token of the response.
-        kl = kl_penalty(old_logprobs, ref_logprobs, hp.kl_estimator) * train  # [B, T]
-        non_score = -hp.kl_coef * kl
-        last = (valid.sum(1) - 1).clamp(min=0)  # [B] index of the last response token
-        if rewards.dim() == 1:
-            scores = rewards
-            per_token = non_score.clone()
-            per_token[torch.arange(B, device=device), last] += rewards
-        else:  # rewards on padding (past the response's end) move to its last token: no reward is dropped
-            scores = rewards.sum(1)
-            per_token = non_score + rewards * valid
-            per_token[torch.arange(B, device=device), last] += (rewards * ~valid).sum(1)
-        if hp.whiten_rewards:
-            per_token = masked_whiten(per_token, valid, shift_mean=False) * valid
-
-        # 4. GAE over the response, returns = advantages + values, advantages whitened over trained tokens.
-        advantages, returns = gae(per_token, old_values, hp.gamma, hp.lam)
-        advantages = masked_whiten(advantages, train) * train
-
-    # 5. PPO epochs over shuffled mini-batches; losses are token sums divided by the mini-batch's token count over
-    # all processes, so gradient accumulation and data parallelism give the gradient of the whole mini-batch.
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    stats = {k: [] for k in ("pg_loss", "vf_loss", "approxkl", "clipfrac", "vf_clipfrac", "entropy", "ratio")}
-    mini, skipped = B // hp.num_mini_batches, 0
-    for epoch in range(hp.num_ppo_epochs):
-        order = torch.randperm(B, device=device)
-        for start in range(0, B, mini):
-            mb = order[start:start + mini]
-            n_train = global_sum(train[mb].sum().float()).clamp(min=1) / world_size()
-            n_valid = global_sum(valid[mb].sum().float()).clamp(min=1) / world_size()
-            bad = torch.zeros((), device=device)
-            for m in range(0, mini, micro):
-                i = mb[m:m + micro]
-                if fused and epoch == 0:
-                    new_logprobs, entropy, new_values = (x[i] for x in first)
-                else:
-                    with amp():
-                        new_logprobs, entropy = response_logprobs(policy, input_ids[i], attention_mask[i], responses[i],
-                                                                  hp.temperature, True, hp.ent_coef > 0)
-                        new_values = response_values(value_model, input_ids[i], attention_mask[i], T)
-                v_clipped = old_values[i] + (new_values - old_values[i]).clamp(-hp.cliprange_value, hp.cliprange_value)
-                vf_unclipped, vf_clipped = (new_values - returns[i]) ** 2, (v_clipped - returns[i]) ** 2
-                vf_losses = torch.max(vf_unclipped, vf_clipped)
-                vf_loss = 0.5 * (vf_losses * valid[i]).sum() / n_valid
-                log_ratio = new_logprobs - old_logprobs[i]
-                ratio = log_ratio.exp()
-                pg_losses = torch.max(-advantages[i] * ratio,
-                                      -advantages[i] * ratio.clamp(1 - hp.cliprange, 1 + hp.cliprange))
-                pg_loss = (pg_losses * train[i]).sum() / n_train
-                loss = pg_loss + hp.vf_coef * vf_loss
-                if hp.ent_coef > 0:
-                    loss = loss - hp.ent_coef * (entropy * train[i]).sum() / n_train
-                loss.backward()  # even when not finite: every process runs the same collectives
-                if not torch.isfinite(loss):
-                    bad += 1
-                    continue
-                with torch.no_grad():
-                    t, v = train[i], valid[i]
-                    stats["pg_loss"].append(masked_mean(pg_losses, t))
-                    stats["vf_loss"].append(0.5 * masked_mean(vf_losses, v))
-                    stats["approxkl"].append(0.5 * masked_mean(log_ratio ** 2, t))
-                    stats["clipfrac"].append(masked_mean(((ratio - 1).abs() > hp.cliprange).float(), t))
-                    stats["vf_clipfrac"].append(masked_mean((vf_clipped > vf_unclipped).float(), v))
-                    stats["entropy"].append(masked_mean(entropy, t))
-                    stats["ratio"].append(masked_mean(ratio, t))
-            if not step_or_skip(optimizer, params, global_sum(bad) > 0, hp.max_grad_norm, hp.skip_nonfinite):
-                skipped += 1
-
-    # 6. Metrics (means over this process's batch; the caller averages them over processes).
-    ratios = torch.stack(stats["ratio"]) if stats["ratio"] else torch.full((1,), float("nan"))
-    mean = lambda k: torch.stack(stats[k]).mean().item() if stats[k] else float("nan")  # noqa: E731
-    eos = (responses.gather(1, last[:, None])[:, 0] == eos_token_id) & valid.any(1) if eos_token_id is not None \
-        else torch.zeros(B, dtype=torch.bool, device=device)
-    return {
-        "objective/kl": kl.sum(1).mean().item(),
-        "objective/entropy": (-old_logprobs * train).sum(1).mean().item(),
-        "objective/non_score_reward": non_score.sum(1).mean().item(),
-        "objective/rlhf_reward": (scores + non_score.sum(1)).mean().item(),
-        "objective/scores": scores.mean().item(),
-        "policy/approxkl_avg": mean("approxkl"),
-        "policy/clipfrac_avg": mean("clipfrac"),
-        "policy/entropy_avg": mean("entropy"),
-        "loss/policy_avg": mean("pg_loss"),
-        "loss/value_avg": mean("vf_loss"),
-        "val/clipfrac_avg": mean("vf_clipfrac"),
-        "val/ratio": ratios.mean().item(),
-        "val/ratio_var": ratios.var().item() if len(ratios) > 1 else 0.0,
-        "val/num_eos_tokens": eos.sum().item(),
-        "val/response_length": valid.sum(1).float().mean().item(),
-        "loss/nonfinite_skipped": float(skipped),
-    }
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Run plumbing: processes, evaluation, run records, checkpoints
 
 
 def setup_distributed() -> tuple[int, int, torch.device]:
@@ -1190,17 +1352,8 @@ def average_metrics(metrics: dict, device: torch.device, counts: tuple[str, ...]
     return {k: v if k in counts else v / world_size() for k, v in zip(metrics, values)}
 
 
-def evaluate(policy, tokenizer, task: dict, greedy: GenerationConfig, stop_strings: list[str], rank: int,
-             world: int) -> tuple[dict, list]:
-    """Greedy decoding on the task's fixed evaluation rows (split over processes): mean score and task/accuracy
-    (the fraction reaching --success-threshold), and a few samples."""
-    out = rollout(policy, tokenizer, task["eval_rows"][rank::world], greedy, stop_strings, task)
-    device = next(policy.parameters()).device
-    success = (out["scores"] >= task["args"].success_threshold).sum()
-    total = global_sum(torch.tensor([out["scores"].sum(), success, len(out["scores"])], dtype=torch.float64,
-                                    device=device)).tolist()
-    samples = [[str(p), t, s] for p, t, s in zip(out["prompts"], out["texts"], out["scores"].tolist())][:16]
-    return {"eval/scores": total[0] / total[2], "task/accuracy": total[1] / total[2]}, samples
+# ---------------------------------------------------------------------------------------------------------------------
+# Run records and checkpoints
 
 
 def open_run(args, output_dir: Path, start: int, run_name: str) -> tuple[Path, Any]:
@@ -1288,155 +1441,6 @@ def load_state(folder: Path) -> dict:
         fail("--resume", str(folder), f"its state.pt holds {found}, not only tensors, numbers, strings, lists and "
                                       "dicts, and loading it could run code: refused; resume from a checkpoint that "
                                       "this script wrote")
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# The training loop
-
-
-def main(args: Args) -> None:
-    hp, gen = args.ppo, args.gen
-    # ---- validate the configuration before anything is loaded
-    rank, world, device = setup_distributed()
-    builtin_task = check_task(args.task)
-    gen.max_new_tokens = gen.max_new_tokens or (4 if builtin_task else 64)
-    local_batch = args.batch_size // world
-    if args.batch_size % world or local_batch % (hp.num_mini_batches * hp.gradient_accumulation_steps):
-        fail("--batch-size", args.batch_size, f"must be divisible by {world} process(es) x --num-mini-batches "
-             f"({hp.num_mini_batches}) x --gradient-accumulation-steps ({hp.gradient_accumulation_steps})")
-    num_iterations = args.total_episodes // args.batch_size
-    if num_iterations < 1:
-        fail("--total-episodes", args.total_episodes, f"must be at least --batch-size ({args.batch_size})")
-    if args.resume and args.resume != "latest" and args.output_dir is None:
-        args.output_dir = str(Path(args.resume).parent.parent)
-    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
-    output_dir = Path(args.output_dir or f"runs/{run_name}")
-    ckpt = find_checkpoint(args.resume, output_dir) if args.resume else None
-
-    # ---- models: policy, frozen reference, value model; the same initial weights in every process
-    random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    tokenizer, policy = load_policy(args.model, args.trust_remote_code)
-    # 7. Models: a frozen copy of the policy is the reference; the value model is a one-label token classifier.
-    ref_policy = disable_dropout(copy.deepcopy(policy)).eval().requires_grad_(False)
-    if args.value_model or args.task.reward_model:
-        flag = "--value-model" if args.value_model else "--reward-model"
-        value_model = load_pretrained(AutoModelForTokenClassification, args.value_model or args.task.reward_model,
-                                      flag, args.trust_remote_code, num_labels=1)
-    else:
-        config = copy.deepcopy(policy.config)
-        config.num_labels = 1
-        value_model = AutoModelForTokenClassification.from_config(config)
-        missing = value_model.load_state_dict(policy.state_dict(), strict=False).missing_keys
-        if any(k.startswith(value_model.base_model_prefix + ".") for k in missing):
-            fail("--model", args.model, "the value model cannot take the policy's weights; give --value-model")
-    value_model.config.pad_token_id = tokenizer.pad_token_id
-    task = load_task(args.task, tokenizer, model_context(policy), gen.max_new_tokens, args.trust_remote_code)
-    if args.fsdp and not torch.distributed.is_initialized():
-        fail("--fsdp", True, "FSDP shards over processes: launch with torchrun --nproc_per_node N")
-    if len(task["eval_rows"]) < world:
-        fail("--num-eval-prompts", args.task.num_eval_prompts, f"give at least one per process ({world})")
-    if ckpt is not None:
-        policy.load_state_dict(AutoModelForCausalLM.from_pretrained(ckpt / "policy").state_dict())
-        value_model.load_state_dict(AutoModelForTokenClassification.from_pretrained(ckpt / "value").state_dict())
-    models = {"policy": policy, "value": value_model}
-    for model in (policy, ref_policy, value_model, task["reward_model"], task["prm"]):
-        if model is not None:
-            disable_dropout(model.to(device))
-            shard(model, init_device_mesh(device.type, (world,))) if args.fsdp else None
-    lr = args.learning_rate or (1e-3 if args.model == "builtin" else 3e-6)
-    optimizer = torch.optim.AdamW([*policy.parameters(), *value_model.parameters()], lr=lr, eps=1e-5)
-
-    # ---- seeding per process (ranks sample differently), or the saved state of a resumed run
-    random.seed(args.seed + rank)
-    torch.manual_seed(args.seed + rank)
-    start, episode, elapsed, accuracy = 1, 0, 0.0, None  # accuracy: the last evaluation's, for the progress bar
-    prompt_state = {"epoch": 0, "pos": 0, "rng": random.Random(args.seed).getstate()}
-    if ckpt is not None:
-        state = load_state(ckpt)
-        load_optimizer_state(optimizer, state["optimizer"])
-        set_rng_states(state["rng"][rank % len(state["rng"])])
-        prompt_state, run_name, accuracy = state["prompt_state"], state["run_name"], state["accuracy"]
-        start, episode, elapsed = state["iteration"] + 1, state["episode"], state["elapsed"]
-    if args.compile:
-        for model in (policy, ref_policy, value_model):
-            model.forward = torch.compile(model.forward, dynamic=True)
-    metrics_path, run = open_run(args, output_dir, start, run_name) if rank == 0 else (None, None)
-    sample, greedy = generation_configs(gen, tokenizer, hp.temperature)
-    if args.compile:  # decode_loop's one-token step, one graph per batch size, replayed as a CUDA graph on GPUs
-        sample.compile_config = greedy.compile_config = CompileConfig(
-            fullgraph=True, dynamic=False, mode="reduce-overhead" if device.type == "cuda" else "default")
-    if rank == 0 and off_policy_note(gen):
-        print(off_policy_note(gen))
-
-    if start == 1:
-        with autocast(hp.dtype, device):
-            metrics, samples = evaluate(policy, tokenizer, task, greedy, gen.stop_strings, rank, world)
-        log_row(metrics_path, run, {"iteration": 0, "episode": 0, "elapsed_s": 0.0, **metrics}, samples)
-        accuracy = metrics["task/accuracy"]
-    progress = tqdm(range(start, num_iterations + 1), initial=start - 1, total=num_iterations, desc="ppo",
-                    disable=rank != 0)
-    t0 = time.time() - elapsed
-    for iteration in progress:
-        # 8. Rollout: anneal the learning rate, take this process's share of the prompts, sample and score.
-        if args.anneal_lr:
-            optimizer.param_groups[0]["lr"] = lr * (1 - (iteration - 1) / num_iterations)
-        rows = draw_rows(task, prompt_state, args.batch_size, args.seed)[rank * local_batch:(rank + 1) * local_batch]
-        with autocast(hp.dtype, device):
-            out = rollout(policy, tokenizer, rows, sample, gen.stop_strings, task)
-        # 9. Update: the scores (with a PRM, per-token process rewards too) go into one ppo_step.
-        try:
-            metrics = ppo_step(policy, value_model, ref_policy, optimizer, out["queries"], out["responses"],
-                               token_rewards(out["scores"], out["masks"], out["process"], args.task.prm_weight),
-                               out["masks"], hp=hp, pad_token_id=tokenizer.pad_token_id,
-                               eos_token_id=tokenizer.eos_token_id)
-        except FloatingPointError as e:
-            fail("--skip-nonfinite", False, f"{e} at iteration {iteration}: the run stops here, its last good "
-                 "checkpoint kept; lower --learning-rate, check the rewards, or pass --skip-nonfinite")
-        # 10. Log: metrics averaged over processes (counts summed), one row per iteration; greedy evaluation every
-        # --eval-every.
-        if out["process"] is not None:
-            metrics["objective/prm_min_step_score"] = sum(min((p for _, p in steps), default=0)
-                                                          for steps in out["process"]) / len(rows)
-        episode += args.batch_size
-        row = {"iteration": iteration, "episode": episode, "elapsed_s": round(time.time() - t0, 3),
-               "lr": optimizer.param_groups[0]["lr"], **average_metrics(metrics, device, ("val/num_eos_tokens",))}
-        if args.compile and iteration == start:  # torch.compile's seconds so far: the decode steps and the forwards
-            row["perf/compile_s"] = round(torch._dynamo.utils.calculate_time_spent()["total_wall_time"], 1)
-        samples = None
-        if iteration % args.eval_every == 0 or iteration == num_iterations:
-            with autocast(hp.dtype, device):
-                eval_metrics, samples = evaluate(policy, tokenizer, task, greedy, gen.stop_strings, rank, world)
-            row.update(eval_metrics)
-        log_row(metrics_path, run, row, samples)
-        accuracy = row.get("task/accuracy", accuracy)
-        progress.set_postfix(score=f"{row['objective/scores']:.3f}", kl=f"{row['objective/kl']:.3f}",
-                             acc=f"{accuracy:.3f}")
-        # 11. Checkpoint: models, optimizer, random states and prompt position, written whole or not at all.
-        if args.save_every and iteration % args.save_every == 0:
-            rngs = [rng_states()] * world
-            if world > 1:
-                torch.distributed.all_gather_object(rngs, rng_states())
-            state = {"iteration": iteration, "episode": episode, "elapsed": time.time() - t0, "run_name": run_name,
-                     "optimizer": optimizer_state(optimizer), "rng": rngs, "prompt_state": prompt_state,
-                     "accuracy": accuracy}
-            weights = {name: full_state_dict(model) for name, model in models.items()}
-            if rank == 0:
-                save_checkpoint(output_dir / "checkpoints" / f"iter_{iteration:06d}", models, weights, tokenizer, state,
-                                args.keep_checkpoints)
-
-    weights = full_state_dict(policy)
-    if rank == 0:
-        policy.save_pretrained(output_dir / "model", state_dict=weights)
-        tokenizer.save_pretrained(output_dir / "model")
-        final = json.loads(metrics_path.read_text().splitlines()[-1])
-        print(f"final task/accuracy {final.get('task/accuracy')} eval/scores {final.get('eval/scores')} after "
-              f"{final['episode']} episodes in {final['elapsed_s']:.0f}s; model in {output_dir / 'model'}")
-    if run is not None:
-        run.finish()
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()  # no process tears the group down while another still uses it (saving)
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

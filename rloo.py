@@ -204,6 +204,394 @@ class Args:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# The algorithm: RLOO's math on tensors (small pure functions), then one update, rloo_step
+
+
+def response_valid_mask(responses: torch.Tensor, pad_token_id: int, eos_token_id: int | None = None,
+                        masks: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, T] bool: the tokens of each response, its final EOS included, padding excluded. A response ends after its
+    first EOS; when pad != EOS, trailing pad tokens are padding; trailing zeros of `masks` are padding too."""
+    B, T = responses.shape
+    length = torch.full((B,), T, device=responses.device)
+    if eos_token_id is not None:
+        is_eos = responses == eos_token_id
+        length = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, length)
+    if pad_token_id != eos_token_id:
+        length = torch.minimum(length, T - (responses.flip(1) == pad_token_id).int().cumprod(1).sum(1))
+    if masks is not None:
+        length = torch.minimum(length, T - (masks.flip(1) == 0).int().cumprod(1).sum(1))
+    return torch.arange(T, device=responses.device)[None] < length[:, None]
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of x over mask (0 when the mask is empty)."""
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token KL estimate of policy from reference at sampled tokens, with r = ref - logp (Schulman, "Approximating
+    KL Divergence"): k1 = logp - ref, k2 = r^2 / 2, k3 = exp(r) - 1 - r. As a value (a penalty in the reward), k1
+    and k3 estimate KL(pi || ref) without bias. As a loss term, only the expected gradient counts: k1's is 0 (no
+    penalty), k2's is exactly the gradient of KL(pi || ref), k3's that of KL(ref || pi), the other direction."""
+    if estimator == "k1":
+        return logprobs - ref_logprobs
+    r = ref_logprobs - logprobs
+    if estimator == "k2":
+        return 0.5 * r ** 2
+    if estimator == "k3":
+        return r.exp() - 1 - r
+    raise ValueError(f"unknown KL estimator {estimator!r}: use k1, k2 or k3")
+
+
+def kl_estimator_for(hp: RLOOHParams) -> str:
+    """The estimator rloo_step uses where hp puts the KL: 'auto' is k1 in the reward and k2 in the loss. Raises a
+    ValueError, whose text is the fix, for k2 in the reward (a biased estimate of the KL) and k1 in the loss (its
+    gradient is 0 in expectation on-policy: no penalty at all)."""
+    if hp.kl_estimator == "auto":
+        return "k1" if hp.kl_in_reward else "k2"
+    if hp.kl_in_reward and hp.kl_estimator == "k2":
+        raise ValueError("in the reward the KL's value counts and k2 is biased: use k1 or k3 there, or move the KL "
+                         "into the loss")
+    if not hp.kl_in_reward and hp.kl_estimator == "k1":
+        raise ValueError("in the loss k1's gradient is 0 in expectation (no KL penalty at all): use k2 (the gradient "
+                         "of KL(policy || ref)) or k3 (that of KL(ref || policy)), or keep the KL in the reward")
+    return hp.kl_estimator
+
+
+def rloo_advantages(rewards: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Leave-one-out: the baseline of each sample is the mean reward of the other k - 1 samples of its prompt.
+    rewards [B] with the k samples of each prompt contiguous; returns advantages [B] and baselines [B]."""
+    grouped = rewards.view(-1, k)  # [P, k]
+    baselines = (grouped.sum(1, keepdim=True) - grouped) / (k - 1)
+    return (grouped - baselines).flatten(), baselines.flatten()
+
+
+def sequence_rewards(scores: torch.Tensor, process: list | None, aggregate: str, weight: float) -> torch.Tensor:
+    """What rloo_step gets: the scores [B], plus weight x each response's PRM step scores aggregated by min, mean or
+    last (0 for a response with no steps)."""
+    if process is None:
+        return scores
+    agg = {"min": min, "mean": lambda x: sum(x) / len(x), "last": lambda x: x[-1]}[aggregate]
+    return scores + weight * torch.tensor([agg([p for _, p in steps]) if steps else 0.0 for steps in process])
+
+
+def shared_prefix_logprobs(policy, queries: torch.Tensor, responses: torch.Tensor, valid: torch.Tensor,
+                           pad_token_id: int, temperature: float, with_entropy: bool = False,
+                           entropy_grad: bool = False) -> tuple:
+    """Logprobs [B, T] (and entropy [B, T], differentiable only if entropy_grad) of k responses per prompt,
+    forwarding each prompt once: its KV cache is computed once and repeated k times. queries [P, Lq] left-padded,
+    one per prompt; responses, valid [B, T]."""
+    k = responses.shape[0] // queries.shape[0]
+    query_mask = ((queries != pad_token_id).cumsum(1) > 0).long()
+    prefix = policy(input_ids=queries, attention_mask=query_mask, position_ids=position_ids_from(query_mask),
+                    use_cache=True, logits_to_keep=1)
+    cache = getattr(prefix, CACHE_KWARG)  # the output's field has the keyword's name
+    cache.batch_repeat_interleave(k)
+    mask = torch.cat([query_mask.repeat_interleave(k, 0), valid.long()], 1)  # [B, Lq + T]
+    out = policy(input_ids=responses, attention_mask=mask, position_ids=position_ids_from(mask)[:, queries.shape[1]:],
+                 **{CACHE_KWARG: cache})
+    logits = torch.cat([prefix.logits.repeat_interleave(k, 0), out.logits[:, :-1]], 1).float() / temperature
+    lse = logits.logsumexp(-1)  # [B, T, V] -> [B, T]
+    logprobs = logits.gather(-1, responses.unsqueeze(-1)).squeeze(-1) - lse
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        entropy = lse - (logits.softmax(-1) * logits).sum(-1) if with_entropy else None
+    return logprobs, entropy
+
+
+def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: torch.Tensor, rewards: torch.Tensor,
+              masks: torch.Tensor | None = None, *, hp: RLOOHParams, pad_token_id: int,
+              eos_token_id: int | None = None) -> dict[str, float]:
+    """One RLOO update on a batch of finished episodes, k = hp.rloo_k samples per prompt, contiguous:
+    [p0s0, p0s1, ..., p1s0, ...].
+
+    queries [B, Lq] (or [B / k, Lq], one per prompt) left-padded prompt ids; responses [B, T] right-padded response
+    ids (a response ends after its first EOS); rewards [B] (one score per response) or [B, T] (per-token, summed per
+    response, padding positions included: no reward is dropped); masks [B, T] with 0 on response tokens that must
+    not be trained on (tool output: no gradient, no KL). The KL estimator is kl_estimator_for(hp) (a ValueError for
+    k1 in the loss). The models must not apply dropout (a ValueError: call disable_dropout(model) or model.eval()
+    first), or the rollout's and the update's forward passes would differ. Returns metrics.
+    """
+    B, T = responses.shape
+    k = hp.rloo_k
+    if k < 2 or B % k:
+        raise ValueError(f"a batch of {B} responses does not hold whole groups of rloo_k = {k} (k must be >= 2)")
+    P = B // k
+    micro = P // (hp.num_mini_batches * hp.gradient_accumulation_steps)
+    if micro * hp.num_mini_batches * hp.gradient_accumulation_steps != P:
+        raise ValueError(f"{P} prompts do not split into {hp.num_mini_batches} mini-batches x "
+                         f"{hp.gradient_accumulation_steps} accumulation steps")
+    estimator = kl_estimator_for(hp)
+    refuse_dropout(policy=policy, ref_policy=ref_policy)
+    device = next(policy.parameters()).device
+    queries, responses, rewards = queries.to(device), responses.to(device), rewards.to(device).float()
+    if queries.shape[0] == B:
+        if not torch.equal(queries.view(P, k, -1), queries[::k, None].expand(P, k, queries.shape[1])):
+            raise ValueError("the k samples of each prompt must be contiguous and share one query")
+        queries = queries[::k]  # [P, Lq]
+
+    # 1. Masks: `valid` is the response itself (padding excluded), `train` the valid tokens not masked out.
+    valid = response_valid_mask(responses, pad_token_id, eos_token_id, None if masks is None else masks.to(device))
+    train = valid & (masks.to(device).bool() if masks is not None else True)
+
+    # 2. Rollout forward passes without gradients, in chunks of whole prompts, each prompt forwarded once:
+    # reference logprobs for the KL, and the policy's old logprobs when they are needed before the update. An
+    # on-policy update in one batch (1 epoch, 1 mini-batch, no accumulation) keeps its training forward pass from
+    # here instead; with several micro-batches on-policy, the training passes fill old_logprobs as they go.
+    amp = lambda: autocast(hp.dtype, device)  # noqa: E731
+    on_policy = hp.num_ppo_epochs == 1 and hp.num_mini_batches == 1
+    fused = on_policy and hp.gradient_accumulation_steps == 1
+    need_old = not on_policy or (hp.kl_in_reward and hp.kl_coef > 0 and not fused)
+    per_chunk = max(1, hp.forward_batch_size // k)
+    chunks = [(slice(p, p + per_chunk), slice(p * k, (p + per_chunk) * k)) for p in range(0, P, per_chunk)]
+    logprobs_of = lambda model: torch.cat([shared_prefix_logprobs(  # noqa: E731
+        model, queries[q], responses[r], valid[r], pad_token_id, hp.temperature)[0] for q, r in chunks])
+    if fused:
+        with amp():
+            first = shared_prefix_logprobs(policy, queries, responses, valid, pad_token_id, hp.temperature, True)
+    with torch.no_grad(), amp():
+        if need_old:
+            old_logprobs = logprobs_of(policy)
+        elif fused:
+            old_logprobs = first[0].detach()
+        else:  # filled by the training passes
+            old_logprobs = torch.zeros(B, T, device=device)
+        ref_logprobs = logprobs_of(ref_policy) if hp.kl_coef > 0 else None
+        kl_of = lambda logprobs: kl_penalty(logprobs, ref_logprobs, estimator) * train \
+            if ref_logprobs is not None else torch.zeros(B, T, device=device)  # noqa: E731
+
+        # 3. Sequence rewards: score minus kl_coef x the summed KL of the trained tokens (when the KL is in the reward).
+        scores = rewards if rewards.dim() == 1 else rewards.sum(1)  # [B]: all of it, padding positions too
+        non_score = -hp.kl_coef * kl_of(old_logprobs).sum(1) if hp.kl_in_reward else torch.zeros_like(scores)
+        sequence_rewards = scores + non_score  # [B]
+
+        # 4. Leave-one-out baselines and advantages (optionally normalised by their standard deviation).
+        advantages, baselines = rloo_advantages(sequence_rewards, k)
+        n = global_sum(torch.tensor(float(B), device=device))
+        advantage_std = torch.sqrt(global_sum((advantages ** 2).sum()) / n)  # the advantages have mean 0 per prompt
+        if hp.normalize_advantages:
+            advantages = advantages / (advantage_std + 1e-8)
+        equal_groups = (sequence_rewards.view(P, k) == sequence_rewards.view(P, k)[:, :1]).all(1).float().mean()
+
+    # 5. Clipped policy-gradient epochs over shuffled mini-batches of whole prompts; the sequence advantage weights
+    # every trained token; losses are token sums over the mini-batch's token count on all processes.
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    stats = {k_: [] for k_ in ("pg_loss", "kl_loss", "approxkl", "clipfrac", "entropy", "ratio")}
+    mini, skipped = P // hp.num_mini_batches, 0
+    for _ in range(hp.num_ppo_epochs):
+        order = torch.randperm(P, device=device)
+        for start in range(0, P, mini):
+            mb = order[start:start + mini]
+            rows = (mb[:, None] * k + torch.arange(k, device=device)).flatten()
+            n_train = global_sum(train[rows].sum().float()).clamp(min=1) / world_size()
+            bad = torch.zeros((), device=device)
+            for m in range(0, mini, micro):
+                pi = mb[m:m + micro]
+                i = (pi[:, None] * k + torch.arange(k, device=device)).flatten()
+                if fused:
+                    new_logprobs, entropy = (x[i] for x in first)
+                else:
+                    with amp():
+                        new_logprobs, entropy = shared_prefix_logprobs(policy, queries[pi], responses[i], valid[i],
+                                                                       pad_token_id, hp.temperature, True)
+                if not need_old and not fused:
+                    old_logprobs[i] = new_logprobs.detach()
+                log_ratio = new_logprobs - old_logprobs[i]
+                ratio = log_ratio.exp()
+                adv = advantages[i, None]
+                pg_losses = torch.max(-adv * ratio, -adv * ratio.clamp(1 - hp.cliprange, 1 + hp.cliprange))
+                loss = (pg_losses * train[i]).sum() / n_train
+                kl_losses = kl_penalty(new_logprobs, ref_logprobs[i], estimator) if hp.kl_coef > 0 \
+                    else torch.zeros_like(new_logprobs)
+                if not hp.kl_in_reward:
+                    loss = loss + hp.kl_coef * (kl_losses * train[i]).sum() / n_train
+                loss.backward()  # even when not finite: every process runs the same collectives
+                if not torch.isfinite(loss):
+                    bad += 1
+                    continue
+                with torch.no_grad():
+                    t = train[i]
+                    stats["pg_loss"].append(masked_mean(pg_losses, t))
+                    stats["kl_loss"].append(masked_mean(kl_losses, t))
+                    stats["approxkl"].append(0.5 * masked_mean(log_ratio ** 2, t))
+                    stats["clipfrac"].append(masked_mean(((ratio - 1).abs() > hp.cliprange).float(), t))
+                    stats["entropy"].append(masked_mean(entropy, t))
+                    stats["ratio"].append(masked_mean(ratio, t))
+            if not step_or_skip(optimizer, params, global_sum(bad) > 0, hp.max_grad_norm, hp.skip_nonfinite):
+                skipped += 1
+
+    # 6. Metrics (means over this process's batch; the caller averages them over processes).
+    ratios = torch.stack(stats["ratio"]) if stats["ratio"] else torch.full((1,), float("nan"))
+    mean = lambda key: torch.stack(stats[key]).mean().item() if stats[key] else float("nan")  # noqa: E731
+    last = (valid.sum(1) - 1).clamp(min=0)
+    eos = (responses.gather(1, last[:, None])[:, 0] == eos_token_id) & valid.any(1) if eos_token_id is not None \
+        else torch.zeros(B, dtype=torch.bool, device=device)
+    return {
+        "objective/kl": kl_of(old_logprobs).sum(1).mean().item(),
+        "objective/entropy": (-old_logprobs * train).sum(1).mean().item(),
+        "objective/non_score_reward": non_score.mean().item(),
+        "objective/rlhf_reward": sequence_rewards.mean().item(),
+        "objective/scores": scores.mean().item(),
+        "policy/approxkl_avg": mean("approxkl"),
+        "policy/clipfrac_avg": mean("clipfrac"),
+        "policy/entropy_avg": mean("entropy"),
+        "loss/policy_avg": mean("pg_loss"),
+        "loss/kl_avg": mean("kl_loss"),
+        "val/ratio": ratios.mean().item(),
+        "val/ratio_var": ratios.var().item() if len(ratios) > 1 else 0.0,
+        "val/num_eos_tokens": eos.sum().item(),
+        "val/response_length": valid.sum(1).float().mean().item(),
+        "rloo/baseline_avg": baselines.mean().item(),
+        "rloo/advantage_std": advantage_std.item(),
+        "rloo/frac_equal_groups": equal_groups.item(),
+        "loss/nonfinite_skipped": float(skipped),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The loop: one iteration is the numbered steps below. main() calls the machinery under the marker: Python looks
+# names up when a call runs, so they may be defined after it.
+
+
+def main(args: Args) -> None:
+    hp, gen = args.rloo, args.gen
+    # ---- validate the configuration before anything is loaded
+    rank, world, device = setup_distributed()
+    builtin_task = check_task(args.task)
+    gen.max_new_tokens = gen.max_new_tokens or (4 if builtin_task else 64)
+    if hp.rloo_k < 2:
+        fail("--rloo-k", hp.rloo_k, "needs at least 2 samples per prompt for a leave-one-out baseline")
+    try:
+        kl_estimator_for(hp)
+    except ValueError as e:
+        fail("--kl-estimator", hp.kl_estimator, str(e))
+    local_prompts = args.batch_size // (hp.rloo_k * world)
+    if args.batch_size % (hp.rloo_k * world) or local_prompts % (hp.num_mini_batches * hp.gradient_accumulation_steps):
+        fail("--batch-size", args.batch_size, f"must be divisible by --rloo-k ({hp.rloo_k}) x {world} process(es) x "
+             f"--num-mini-batches ({hp.num_mini_batches}) x --gradient-accumulation-steps "
+             f"({hp.gradient_accumulation_steps})")
+    num_iterations = args.total_episodes // args.batch_size
+    if num_iterations < 1:
+        fail("--total-episodes", args.total_episodes, f"must be at least --batch-size ({args.batch_size})")
+    if args.resume and args.resume != "latest" and args.output_dir is None:
+        args.output_dir = str(Path(args.resume).parent.parent)
+    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    output_dir = Path(args.output_dir or f"runs/{run_name}")
+    ckpt = find_checkpoint(args.resume, output_dir) if args.resume else None
+
+    # ---- models: policy and frozen reference (no value model); the same initial weights in every process
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    tokenizer, policy = load_policy(args.model, args.trust_remote_code)
+    # 7. Models: a frozen copy of the policy is the reference; there is no value model.
+    ref_policy = disable_dropout(copy.deepcopy(policy)).eval().requires_grad_(False)
+    task = load_task(args.task, tokenizer, model_context(policy), gen.max_new_tokens, args.trust_remote_code)
+    if args.fsdp and not torch.distributed.is_initialized():
+        fail("--fsdp", True, "FSDP shards over processes: launch with torchrun --nproc_per_node N")
+    if len(task["eval_rows"]) < world:
+        fail("--num-eval-prompts", args.task.num_eval_prompts, f"give at least one per process ({world})")
+    if ckpt is not None:
+        policy.load_state_dict(AutoModelForCausalLM.from_pretrained(ckpt / "policy").state_dict())
+    for model in (policy, ref_policy, task["reward_model"], task["prm"]):
+        if model is not None:
+            disable_dropout(model.to(device))
+            shard(model, init_device_mesh(device.type, (world,))) if args.fsdp else None
+    lr = args.learning_rate or (1e-3 if args.model == "builtin" else 3e-6)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=lr, eps=1e-5)
+
+    # ---- seeding per process (ranks sample differently), or the saved state of a resumed run
+    random.seed(args.seed + rank)
+    torch.manual_seed(args.seed + rank)
+    start, episode, elapsed, accuracy = 1, 0, 0.0, None  # accuracy: the last evaluation's, for the progress bar
+    prompt_state = {"epoch": 0, "pos": 0, "rng": random.Random(args.seed).getstate()}
+    if ckpt is not None:
+        state = load_state(ckpt)
+        load_optimizer_state(optimizer, state["optimizer"])
+        set_rng_states(state["rng"][rank % len(state["rng"])])
+        prompt_state, run_name, accuracy = state["prompt_state"], state["run_name"], state["accuracy"]
+        start, episode, elapsed = state["iteration"] + 1, state["episode"], state["elapsed"]
+    if args.compile:
+        for model in (policy, ref_policy):
+            model.forward = torch.compile(model.forward, dynamic=True)
+    metrics_path, run = open_run(args, output_dir, start, run_name) if rank == 0 else (None, None)
+    sample, greedy = generation_configs(gen, tokenizer, hp.temperature)
+    if args.compile:  # decode_loop's one-token step, one graph per batch size, replayed as a CUDA graph on GPUs
+        sample.compile_config = greedy.compile_config = CompileConfig(
+            fullgraph=True, dynamic=False, mode="reduce-overhead" if device.type == "cuda" else "default")
+    if rank == 0 and off_policy_note(gen):
+        print(off_policy_note(gen))
+
+    if start == 1:
+        with autocast(hp.dtype, device):
+            metrics, samples = evaluate(policy, tokenizer, task, greedy, gen.stop_strings, rank, world)
+        log_row(metrics_path, run, {"iteration": 0, "episode": 0, "elapsed_s": 0.0, **metrics}, samples)
+        accuracy = metrics["task/accuracy"]
+    progress = tqdm(range(start, num_iterations + 1), initial=start - 1, total=num_iterations, desc="rloo",
+                    disable=rank != 0)
+    t0 = time.time() - elapsed
+    for iteration in progress:
+        # 8. Rollout: anneal the learning rate, take this process's share of the prompts, k samples of each.
+        if args.anneal_lr:
+            optimizer.param_groups[0]["lr"] = lr * (1 - (iteration - 1) / num_iterations)
+        prompts = draw_rows(task, prompt_state, args.batch_size // hp.rloo_k, args.seed)
+        rows = [r for r in prompts[rank * local_prompts:(rank + 1) * local_prompts] for _ in range(hp.rloo_k)]
+        with autocast(hp.dtype, device):
+            out = rollout(policy, tokenizer, rows, sample, gen.stop_strings, task)
+        # 9. Update: the scores (with a PRM, plus its aggregated step scores) go into one rloo_step.
+        rewards = sequence_rewards(out["scores"], out["process"], args.task.prm_aggregate, args.task.prm_weight)
+        try:
+            metrics = rloo_step(policy, ref_policy, optimizer, out["queries"], out["responses"], rewards,
+                                out["masks"], hp=hp, pad_token_id=tokenizer.pad_token_id,
+                                eos_token_id=tokenizer.eos_token_id)
+        except FloatingPointError as e:
+            fail("--skip-nonfinite", False, f"{e} at iteration {iteration}: the run stops here, its last good "
+                 "checkpoint kept; lower --learning-rate, check the rewards, or pass --skip-nonfinite")
+        # 10. Log: metrics averaged over processes (counts summed), one row per iteration; greedy evaluation every
+        # --eval-every.
+        episode += args.batch_size
+        row = {"iteration": iteration, "episode": episode, "elapsed_s": round(time.time() - t0, 3),
+               "lr": optimizer.param_groups[0]["lr"], **average_metrics(metrics, device, ("val/num_eos_tokens",))}
+        if args.compile and iteration == start:  # torch.compile's seconds so far: the decode steps and the forwards
+            row["perf/compile_s"] = round(torch._dynamo.utils.calculate_time_spent()["total_wall_time"], 1)
+        samples = None
+        if iteration % args.eval_every == 0 or iteration == num_iterations:
+            with autocast(hp.dtype, device):
+                eval_metrics, samples = evaluate(policy, tokenizer, task, greedy, gen.stop_strings, rank, world)
+            row.update(eval_metrics)
+        log_row(metrics_path, run, row, samples)
+        accuracy = row.get("task/accuracy", accuracy)
+        progress.set_postfix(score=f"{row['objective/scores']:.3f}", kl=f"{row['objective/kl']:.3f}",
+                             acc=f"{accuracy:.3f}")
+        # 11. Checkpoint: policy, optimizer, random states and prompt position, written whole or not at all.
+        if args.save_every and iteration % args.save_every == 0:
+            rngs = [rng_states()] * world
+            if world > 1:
+                torch.distributed.all_gather_object(rngs, rng_states())
+            state = {"iteration": iteration, "episode": episode, "elapsed": time.time() - t0, "run_name": run_name,
+                     "optimizer": optimizer_state(optimizer), "rng": rngs, "prompt_state": prompt_state,
+                     "accuracy": accuracy}
+            weights = {"policy": full_state_dict(policy)}
+            if rank == 0:
+                save_checkpoint(output_dir / "checkpoints" / f"iter_{iteration:06d}", {"policy": policy}, weights,
+                                tokenizer, state, args.keep_checkpoints)
+
+    weights = full_state_dict(policy)
+    if rank == 0:
+        policy.save_pretrained(output_dir / "model", state_dict=weights)
+        tokenizer.save_pretrained(output_dir / "model")
+        final = json.loads(metrics_path.read_text().splitlines()[-1])
+        print(f"final task/accuracy {final.get('task/accuracy')} eval/scores {final.get('eval/scores')} after "
+              f"{final['episode']} episodes in {final['elapsed_s']:.0f}s; model in {output_dir / 'model'}")
+    if run is not None:
+        run.finish()
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()  # no process tears the group down while another still uses it (saving)
+        torch.distributed.destroy_process_group()
+
+
+# Machinery below: loading and checking inputs, the task, generation, processes, checkpoints, logs; no algorithm.
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # The built-in task: a character tokenizer, a tiny model, and single-digit addition with partial credit
 
 
@@ -279,7 +667,7 @@ def addition_reward(prompts, completions, completion_ids, answer, tokenizer, **k
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Loading: callables, models, prompts and rewards
+# Loading and checking what the user gives: callables, models, prompts, rewards
 
 
 def fail(flag: str, value: Any, fix: str) -> NoReturn:
@@ -481,7 +869,7 @@ def draw_rows(task: dict, state: dict, n: int, seed: int) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Generation and scoring
+# Generation and scoring: the decode loop around the model's own forward, reward calls, the rollout
 
 
 def left_pad(seqs: list[list[int]], pad_token_id: int) -> torch.Tensor:
@@ -516,110 +904,6 @@ def off_policy_note(gen: GenArgs) -> str:
         return ""
     return (f"note: {', '.join(flags)} change what is sampled, but the update takes the samples as drawn from the "
             "plain temperature softmax: it is off-policy, and its ratios do not correct for that")
-
-
-def cut_responses(tokenizer, responses: torch.Tensor, stop_strings: list[str]) -> tuple:
-    """Cut each response after its first EOS or stop string (both kept) and pad the rest. Returns responses [B, T],
-    lengths [B] and ended [B] (bool: it ended with EOS or a stop string). A stop string cuts after the first token
-    whose decoded prefix holds it, found by bisection (a prefix's text holds whatever a shorter prefix's holds, but
-    for U+FFFD, what a partial character decodes to): a few decodes per response, not one per token."""
-    rows, lengths, ended = responses.tolist(), [], []
-    holds_stop = lambda ids: any(s in tokenizer.decode(ids) for s in stop_strings)
-    for row in rows:
-        n = row.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in row else len(row)
-        done = tokenizer.eos_token_id in row
-        if stop_strings and holds_stop(row[:n]):
-            n = bisect.bisect_left(range(n + 1), True, lo=1, key=lambda k: holds_stop(row[:k]))
-            done = True
-        row[n:] = [tokenizer.pad_token_id] * (len(row) - n)
-        lengths.append(n)
-        ended.append(done)
-    return torch.tensor(rows, dtype=torch.long), torch.tensor(lengths), torch.tensor(ended)
-
-
-@torch.no_grad()
-def generate(policy, tokenizer, queries: torch.Tensor, gen: GenerationConfig, stop_strings: list[str]) -> tuple:
-    """Sample (or greedily decode) responses to left-padded queries; returns cut_responses' triple. decode_loop
-    takes every model it can; the others go through `generate` (said once), where all processes keep stepping until
-    every one is done (synced_gpus), which sharded models need."""
-    attention_mask = ((queries != tokenizer.pad_token_id).cumsum(1) > 0).long()  # left padding only
-    Lq = queries.shape[1]
-    stop = stop_check(tokenizer, stop_strings) if stop_strings else None
-    reason = decode_loop_unsupported(policy, gen, cache_length(Lq, gen.max_new_tokens))
-    if reason is None:
-        out = decode_loop(policy, queries, attention_mask, gen, stop)
-    else:
-        print_once(f"generation through model.generate, not the decode loop: {reason}")
-        criteria = StoppingCriteriaList([lambda ids, scores, **kw: stop(ids[:, Lq:])]) if stop else None
-        out = policy.generate(input_ids=queries, attention_mask=attention_mask, generation_config=gen,
-                              stopping_criteria=criteria, synced_gpus=torch.distributed.is_initialized())[:, Lq:]
-    return cut_responses(tokenizer, out.cpu(), stop_strings)
-
-
-def call_reward_fns(reward_fns: list, weights: list[float], prompts: list, completions: list,
-                    completion_ids: list, columns: dict, reward_model: bool = False) -> torch.Tensor:
-    """Weighted sum of TRL-style reward functions; [B]. Each returns, per completion, a finite real number (Python or
-    numpy int or float; a bool counts 1 or 0) or None where it does not score that completion: as in TRL, the sum
-    skips it. A completion that no function scores stops the run with a clear line, unless a reward model
-    (`reward_model`) scores every completion; so does any other bad output."""
-    total, scored = torch.zeros(len(completions)), torch.zeros(len(completions), dtype=torch.bool)
-    for (spec, fn), w in zip(reward_fns, weights):
-        try:
-            out = list(fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns))
-        except Exception as e:  # noqa: BLE001 -- any error in user code becomes one line
-            fail("--reward-fn", spec, f"the function raised {type(e).__name__}: {e}; fix the function")
-        if len(out) != len(completions):
-            fail("--reward-fn", spec, f"returned {len(out)} scores for {len(completions)} completions; return one "
-                                      "float per completion")
-        for i, v in enumerate(out):
-            if v is not None and not (isinstance(v, numbers.Real) and math.isfinite(v)):
-                fail("--reward-fn", spec, f"returned {v!r} for completion {i}; return a finite number for each (or "
-                                          "None where the function does not apply)")
-        total += w * torch.tensor([0.0 if v is None else float(v) for v in out])
-        scored |= torch.tensor([v is not None for v in out])
-    if reward_fns and not reward_model and not scored.all():
-        i = int((~scored).nonzero()[0])
-        fail("--reward-fn", [spec for spec, _ in reward_fns], f"every function returned None for completion {i} "
-             f"({str(completions[i])[:40]!r}); each completion needs a score from one function at least (or give "
-             "a --reward-model)")
-    return total
-
-
-@torch.no_grad()
-def reward_model_scores(reward_model, rm_tokenizer, texts: list[str]) -> torch.Tensor:
-    """Scalar score of each prompt+completion text from a one-label sequence classifier; [B]."""
-    enc = rm_tokenizer(texts, return_tensors="pt", padding=True, padding_side="right")
-    return reward_model(**enc.to(reward_model.device)).logits[:, 0].float().cpu()
-
-
-@torch.no_grad()
-def process_rewards(prm, prm_tokenizer, tokenizer, prompts: list, completion_ids: list[list[int]],
-                    separator: str) -> list[list[tuple[int, float]]]:
-    """Per response, one (token index, p) per step: the response is split into steps at the separator, the PRM
-    reads [BOS] prompt step sep step sep ... as in its training, and p is its probability that the step is correct
-    (read at the step's last token); the token index is the response token where the step's text ends."""
-    inputs, places = [], []
-    sep_ids = prm_tokenizer(separator, add_special_tokens=False).input_ids
-    bos = [prm_tokenizer.bos_token_id] if prm_tokenizer.bos_token_id is not None else []
-    for prompt, ids in zip(prompts, completion_ids):
-        text = tokenizer.decode(ids, skip_special_tokens=True)
-        ends = [len(tokenizer.decode(ids[:j + 1], skip_special_tokens=True)) for j in range(len(ids))]  # chars
-        prompt_text = prompt if isinstance(prompt, str) else prompt[-1]["content"]
-        seq, labelled, token_of_step, end = bos + prm_tokenizer(prompt_text, add_special_tokens=False).input_ids, \
-            [], [], 0
-        for step in text.split(separator):
-            end = min(end + len(step) + len(separator), len(text))
-            if step.strip():
-                seq += prm_tokenizer(step, add_special_tokens=False).input_ids + sep_ids
-                labelled.append(len(seq) - 1)
-                token_of_step.append(next((j for j, e in enumerate(ends) if e >= end), len(ids) - 1))
-        inputs.append(seq)
-        places.append((labelled, token_of_step))
-    width = max(map(len, inputs))
-    ids = torch.tensor([s + [prm_tokenizer.pad_token_id or 0] * (width - len(s)) for s in inputs], device=prm.device)
-    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in inputs], device=prm.device)
-    p_correct = prm(input_ids=ids, attention_mask=mask).logits.float().softmax(-1)[..., 1].cpu()  # [B, L]
-    return [[(j, p_correct[b, i].item()) for i, j in zip(*place)] for b, place in enumerate(places)]
 
 
 def next_token(logits: torch.Tensor, seen: torch.Tensor, gen: GenerationConfig, step: int) -> torch.Tensor:
@@ -766,6 +1050,110 @@ def print_once(message: str) -> None:
     print(message, flush=True)
 
 
+@torch.no_grad()
+def generate(policy, tokenizer, queries: torch.Tensor, gen: GenerationConfig, stop_strings: list[str]) -> tuple:
+    """Sample (or greedily decode) responses to left-padded queries; returns cut_responses' triple. decode_loop
+    takes every model it can; the others go through `generate` (said once), where all processes keep stepping until
+    every one is done (synced_gpus), which sharded models need."""
+    attention_mask = ((queries != tokenizer.pad_token_id).cumsum(1) > 0).long()  # left padding only
+    Lq = queries.shape[1]
+    stop = stop_check(tokenizer, stop_strings) if stop_strings else None
+    reason = decode_loop_unsupported(policy, gen, cache_length(Lq, gen.max_new_tokens))
+    if reason is None:
+        out = decode_loop(policy, queries, attention_mask, gen, stop)
+    else:
+        print_once(f"generation through model.generate, not the decode loop: {reason}")
+        criteria = StoppingCriteriaList([lambda ids, scores, **kw: stop(ids[:, Lq:])]) if stop else None
+        out = policy.generate(input_ids=queries, attention_mask=attention_mask, generation_config=gen,
+                              stopping_criteria=criteria, synced_gpus=torch.distributed.is_initialized())[:, Lq:]
+    return cut_responses(tokenizer, out.cpu(), stop_strings)
+
+
+def cut_responses(tokenizer, responses: torch.Tensor, stop_strings: list[str]) -> tuple:
+    """Cut each response after its first EOS or stop string (both kept) and pad the rest. Returns responses [B, T],
+    lengths [B] and ended [B] (bool: it ended with EOS or a stop string). A stop string cuts after the first token
+    whose decoded prefix holds it, found by bisection (a prefix's text holds whatever a shorter prefix's holds, but
+    for U+FFFD, what a partial character decodes to): a few decodes per response, not one per token."""
+    rows, lengths, ended = responses.tolist(), [], []
+    holds_stop = lambda ids: any(s in tokenizer.decode(ids) for s in stop_strings)
+    for row in rows:
+        n = row.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in row else len(row)
+        done = tokenizer.eos_token_id in row
+        if stop_strings and holds_stop(row[:n]):
+            n = bisect.bisect_left(range(n + 1), True, lo=1, key=lambda k: holds_stop(row[:k]))
+            done = True
+        row[n:] = [tokenizer.pad_token_id] * (len(row) - n)
+        lengths.append(n)
+        ended.append(done)
+    return torch.tensor(rows, dtype=torch.long), torch.tensor(lengths), torch.tensor(ended)
+
+
+def call_reward_fns(reward_fns: list, weights: list[float], prompts: list, completions: list,
+                    completion_ids: list, columns: dict, reward_model: bool = False) -> torch.Tensor:
+    """Weighted sum of TRL-style reward functions; [B]. Each returns, per completion, a finite real number (Python or
+    numpy int or float; a bool counts 1 or 0) or None where it does not score that completion: as in TRL, the sum
+    skips it. A completion that no function scores stops the run with a clear line, unless a reward model
+    (`reward_model`) scores every completion; so does any other bad output."""
+    total, scored = torch.zeros(len(completions)), torch.zeros(len(completions), dtype=torch.bool)
+    for (spec, fn), w in zip(reward_fns, weights):
+        try:
+            out = list(fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns))
+        except Exception as e:  # noqa: BLE001 -- any error in user code becomes one line
+            fail("--reward-fn", spec, f"the function raised {type(e).__name__}: {e}; fix the function")
+        if len(out) != len(completions):
+            fail("--reward-fn", spec, f"returned {len(out)} scores for {len(completions)} completions; return one "
+                                      "float per completion")
+        for i, v in enumerate(out):
+            if v is not None and not (isinstance(v, numbers.Real) and math.isfinite(v)):
+                fail("--reward-fn", spec, f"returned {v!r} for completion {i}; return a finite number for each (or "
+                                          "None where the function does not apply)")
+        total += w * torch.tensor([0.0 if v is None else float(v) for v in out])
+        scored |= torch.tensor([v is not None for v in out])
+    if reward_fns and not reward_model and not scored.all():
+        i = int((~scored).nonzero()[0])
+        fail("--reward-fn", [spec for spec, _ in reward_fns], f"every function returned None for completion {i} "
+             f"({str(completions[i])[:40]!r}); each completion needs a score from one function at least (or give "
+             "a --reward-model)")
+    return total
+
+
+@torch.no_grad()
+def reward_model_scores(reward_model, rm_tokenizer, texts: list[str]) -> torch.Tensor:
+    """Scalar score of each prompt+completion text from a one-label sequence classifier; [B]."""
+    enc = rm_tokenizer(texts, return_tensors="pt", padding=True, padding_side="right")
+    return reward_model(**enc.to(reward_model.device)).logits[:, 0].float().cpu()
+
+
+@torch.no_grad()
+def process_rewards(prm, prm_tokenizer, tokenizer, prompts: list, completion_ids: list[list[int]],
+                    separator: str) -> list[list[tuple[int, float]]]:
+    """Per response, one (token index, p) per step: the response is split into steps at the separator, the PRM
+    reads [BOS] prompt step sep step sep ... as in its training, and p is its probability that the step is correct
+    (read at the step's last token); the token index is the response token where the step's text ends."""
+    inputs, places = [], []
+    sep_ids = prm_tokenizer(separator, add_special_tokens=False).input_ids
+    bos = [prm_tokenizer.bos_token_id] if prm_tokenizer.bos_token_id is not None else []
+    for prompt, ids in zip(prompts, completion_ids):
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        ends = [len(tokenizer.decode(ids[:j + 1], skip_special_tokens=True)) for j in range(len(ids))]  # chars
+        prompt_text = prompt if isinstance(prompt, str) else prompt[-1]["content"]
+        seq, labelled, token_of_step, end = bos + prm_tokenizer(prompt_text, add_special_tokens=False).input_ids, \
+            [], [], 0
+        for step in text.split(separator):
+            end = min(end + len(step) + len(separator), len(text))
+            if step.strip():
+                seq += prm_tokenizer(step, add_special_tokens=False).input_ids + sep_ids
+                labelled.append(len(seq) - 1)
+                token_of_step.append(next((j for j, e in enumerate(ends) if e >= end), len(ids) - 1))
+        inputs.append(seq)
+        places.append((labelled, token_of_step))
+    width = max(map(len, inputs))
+    ids = torch.tensor([s + [prm_tokenizer.pad_token_id or 0] * (width - len(s)) for s in inputs], device=prm.device)
+    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in inputs], device=prm.device)
+    p_correct = prm(input_ids=ids, attention_mask=mask).logits.float().softmax(-1)[..., 1].cpu()  # [B, L]
+    return [[(j, p_correct[b, i].item()) for i, j in zip(*place)] for b, place in enumerate(places)]
+
+
 def rollout(policy, tokenizer, rows: list[dict], gen: GenerationConfig, stop_strings: list[str], task: dict) -> dict:
     """Generate responses to prompt rows and score them. Returns queries [B, Lq], responses [B, T], masks [B, T]
     (1 on response tokens), scores [B], ended [B], the prompts and completion texts, and with a PRM its step
@@ -798,24 +1186,26 @@ def rollout(policy, tokenizer, rows: list[dict], gen: GenerationConfig, stop_str
             "prompts": prompts, "texts": texts, "process": process}
 
 
+def evaluate(policy, tokenizer, task: dict, greedy: GenerationConfig, stop_strings: list[str], rank: int,
+             world: int) -> tuple[dict, list]:
+    """Greedy decoding on the task's fixed evaluation rows (split over processes): mean score and task/accuracy
+    (the fraction reaching --success-threshold), and a few samples."""
+    out = rollout(policy, tokenizer, task["eval_rows"][rank::world], greedy, stop_strings, task)
+    device = next(policy.parameters()).device
+    success = (out["scores"] >= task["args"].success_threshold).sum()
+    total = global_sum(torch.tensor([out["scores"].sum(), success, len(out["scores"])], dtype=torch.float64,
+                                    device=device)).tolist()
+    samples = [[str(p), t, s] for p, t, s in zip(out["prompts"], out["texts"], out["scores"].tolist())][:16]
+    return {"eval/scores": total[0] / total[2], "task/accuracy": total[1] / total[2]}, samples
+
+
 # ---------------------------------------------------------------------------------------------------------------------
-# RLOO math: small pure functions on tensors
+# Processes: autocast, data parallelism and FSDP2, dropout
 
 
-def response_valid_mask(responses: torch.Tensor, pad_token_id: int, eos_token_id: int | None = None,
-                        masks: torch.Tensor | None = None) -> torch.Tensor:
-    """[B, T] bool: the tokens of each response, its final EOS included, padding excluded. A response ends after its
-    first EOS; when pad != EOS, trailing pad tokens are padding; trailing zeros of `masks` are padding too."""
-    B, T = responses.shape
-    length = torch.full((B,), T, device=responses.device)
-    if eos_token_id is not None:
-        is_eos = responses == eos_token_id
-        length = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, length)
-    if pad_token_id != eos_token_id:
-        length = torch.minimum(length, T - (responses.flip(1) == pad_token_id).int().cumprod(1).sum(1))
-    if masks is not None:
-        length = torch.minimum(length, T - (masks.flip(1) == 0).int().cumprod(1).sum(1))
-    return torch.arange(T, device=responses.device)[None] < length[:, None]
+def autocast(dtype: str, device: torch.device) -> torch.autocast:
+    """A context that runs forward passes in bf16 when dtype is 'bf16' (backward passes stay outside it)."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16")
 
 
 def world_size() -> int:
@@ -845,11 +1235,6 @@ def sync_gradients(params: list[torch.nn.Parameter]) -> None:
             g.copy_(chunk.view_as(g))
 
 
-def autocast(dtype: str, device: torch.device) -> torch.autocast:
-    """A context that runs forward passes in bf16 when dtype is 'bf16' (backward passes stay outside it)."""
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16")
-
-
 def step_or_skip(optimizer, params: list, nonfinite: bool, max_grad_norm: float, skip_nonfinite: bool) -> bool:
     """Average the gradients over processes, clip them and take the optimizer step, unless a loss (`nonfinite`) or
     the gradient norm is NaN/inf: then drop the gradients and skip the step, or raise FloatingPointError so that the
@@ -864,238 +1249,6 @@ def step_or_skip(optimizer, params: list, nonfinite: bool, max_grad_norm: float,
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return not nonfinite
-
-
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean of x over mask (0 when the mask is empty)."""
-    return (x * mask).sum() / mask.sum().clamp(min=1)
-
-
-def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token KL estimate of policy from reference at sampled tokens, with r = ref - logp (Schulman, "Approximating
-    KL Divergence"): k1 = logp - ref, k2 = r^2 / 2, k3 = exp(r) - 1 - r. As a value (a penalty in the reward), k1
-    and k3 estimate KL(pi || ref) without bias. As a loss term, only the expected gradient counts: k1's is 0 (no
-    penalty), k2's is exactly the gradient of KL(pi || ref), k3's that of KL(ref || pi), the other direction."""
-    if estimator == "k1":
-        return logprobs - ref_logprobs
-    r = ref_logprobs - logprobs
-    if estimator == "k2":
-        return 0.5 * r ** 2
-    if estimator == "k3":
-        return r.exp() - 1 - r
-    raise ValueError(f"unknown KL estimator {estimator!r}: use k1, k2 or k3")
-
-
-def kl_estimator_for(hp: RLOOHParams) -> str:
-    """The estimator rloo_step uses where hp puts the KL: 'auto' is k1 in the reward and k2 in the loss. Raises a
-    ValueError, whose text is the fix, for k2 in the reward (a biased estimate of the KL) and k1 in the loss (its
-    gradient is 0 in expectation on-policy: no penalty at all)."""
-    if hp.kl_estimator == "auto":
-        return "k1" if hp.kl_in_reward else "k2"
-    if hp.kl_in_reward and hp.kl_estimator == "k2":
-        raise ValueError("in the reward the KL's value counts and k2 is biased: use k1 or k3 there, or move the KL "
-                         "into the loss")
-    if not hp.kl_in_reward and hp.kl_estimator == "k1":
-        raise ValueError("in the loss k1's gradient is 0 in expectation (no KL penalty at all): use k2 (the gradient "
-                         "of KL(policy || ref)) or k3 (that of KL(ref || policy)), or keep the KL in the reward")
-    return hp.kl_estimator
-
-
-def rloo_advantages(rewards: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Leave-one-out: the baseline of each sample is the mean reward of the other k - 1 samples of its prompt.
-    rewards [B] with the k samples of each prompt contiguous; returns advantages [B] and baselines [B]."""
-    grouped = rewards.view(-1, k)  # [P, k]
-    baselines = (grouped.sum(1, keepdim=True) - grouped) / (k - 1)
-    return (grouped - baselines).flatten(), baselines.flatten()
-
-
-def sequence_rewards(scores: torch.Tensor, process: list | None, aggregate: str, weight: float) -> torch.Tensor:
-    """What rloo_step gets: the scores [B], plus weight x each response's PRM step scores aggregated by min, mean or
-    last (0 for a response with no steps)."""
-    if process is None:
-        return scores
-    agg = {"min": min, "mean": lambda x: sum(x) / len(x), "last": lambda x: x[-1]}[aggregate]
-    return scores + weight * torch.tensor([agg([p for _, p in steps]) if steps else 0.0 for steps in process])
-
-
-def shared_prefix_logprobs(policy, queries: torch.Tensor, responses: torch.Tensor, valid: torch.Tensor,
-                           pad_token_id: int, temperature: float, with_entropy: bool = False,
-                           entropy_grad: bool = False) -> tuple:
-    """Logprobs [B, T] (and entropy [B, T], differentiable only if entropy_grad) of k responses per prompt,
-    forwarding each prompt once: its KV cache is computed once and repeated k times. queries [P, Lq] left-padded,
-    one per prompt; responses, valid [B, T]."""
-    k = responses.shape[0] // queries.shape[0]
-    query_mask = ((queries != pad_token_id).cumsum(1) > 0).long()
-    prefix = policy(input_ids=queries, attention_mask=query_mask, position_ids=position_ids_from(query_mask),
-                    use_cache=True, logits_to_keep=1)
-    cache = getattr(prefix, CACHE_KWARG)  # the output's field has the keyword's name
-    cache.batch_repeat_interleave(k)
-    mask = torch.cat([query_mask.repeat_interleave(k, 0), valid.long()], 1)  # [B, Lq + T]
-    out = policy(input_ids=responses, attention_mask=mask, position_ids=position_ids_from(mask)[:, queries.shape[1]:],
-                 **{CACHE_KWARG: cache})
-    logits = torch.cat([prefix.logits.repeat_interleave(k, 0), out.logits[:, :-1]], 1).float() / temperature
-    lse = logits.logsumexp(-1)  # [B, T, V] -> [B, T]
-    logprobs = logits.gather(-1, responses.unsqueeze(-1)).squeeze(-1) - lse
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        entropy = lse - (logits.softmax(-1) * logits).sum(-1) if with_entropy else None
-    return logprobs, entropy
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# The RLOO update
-
-
-def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: torch.Tensor, rewards: torch.Tensor,
-              masks: torch.Tensor | None = None, *, hp: RLOOHParams, pad_token_id: int,
-              eos_token_id: int | None = None) -> dict[str, float]:
-    """One RLOO update on a batch of finished episodes, k = hp.rloo_k samples per prompt, contiguous:
-    [p0s0, p0s1, ..., p1s0, ...].
-
-    queries [B, Lq] (or [B / k, Lq], one per prompt) left-padded prompt ids; responses [B, T] right-padded response
-    ids (a response ends after its first EOS); rewards [B] (one score per response) or [B, T] (per-token, summed per
-    response, padding positions included: no reward is dropped); masks [B, T] with 0 on response tokens that must
-    not be trained on (tool output: no gradient, no KL). The KL estimator is kl_estimator_for(hp) (a ValueError for
-    k1 in the loss). The models must not apply dropout (a ValueError: call disable_dropout(model) or model.eval()
-    first), or the rollout's and the update's forward passes would differ. Returns metrics.
-    """
-    B, T = responses.shape
-    k = hp.rloo_k
-    if k < 2 or B % k:
-        raise ValueError(f"a batch of {B} responses does not hold whole groups of rloo_k = {k} (k must be >= 2)")
-    P = B // k
-    micro = P // (hp.num_mini_batches * hp.gradient_accumulation_steps)
-    if micro * hp.num_mini_batches * hp.gradient_accumulation_steps != P:
-        raise ValueError(f"{P} prompts do not split into {hp.num_mini_batches} mini-batches x "
-                         f"{hp.gradient_accumulation_steps} accumulation steps")
-    estimator = kl_estimator_for(hp)
-    refuse_dropout(policy=policy, ref_policy=ref_policy)
-    device = next(policy.parameters()).device
-    queries, responses, rewards = queries.to(device), responses.to(device), rewards.to(device).float()
-    if queries.shape[0] == B:
-        if not torch.equal(queries.view(P, k, -1), queries[::k, None].expand(P, k, queries.shape[1])):
-            raise ValueError("the k samples of each prompt must be contiguous and share one query")
-        queries = queries[::k]  # [P, Lq]
-
-    # 1. Masks: `valid` is the response itself (padding excluded), `train` the valid tokens not masked out.
-    valid = response_valid_mask(responses, pad_token_id, eos_token_id, None if masks is None else masks.to(device))
-    train = valid & (masks.to(device).bool() if masks is not None else True)
-
-    # 2. Rollout forward passes without gradients, in chunks of whole prompts, each prompt forwarded once:
-    # reference logprobs for the KL, and the policy's old logprobs when they are needed before the update. An
-    # on-policy update in one batch (1 epoch, 1 mini-batch, no accumulation) keeps its training forward pass from
-    # here instead; with several micro-batches on-policy, the training passes fill old_logprobs as they go.
-    amp = lambda: autocast(hp.dtype, device)  # noqa: E731
-    on_policy = hp.num_ppo_epochs == 1 and hp.num_mini_batches == 1
-    fused = on_policy and hp.gradient_accumulation_steps == 1
-    need_old = not on_policy or (hp.kl_in_reward and hp.kl_coef > 0 and not fused)
-    per_chunk = max(1, hp.forward_batch_size // k)
-    chunks = [(slice(p, p + per_chunk), slice(p * k, (p + per_chunk) * k)) for p in range(0, P, per_chunk)]
-    logprobs_of = lambda model: torch.cat([shared_prefix_logprobs(  # noqa: E731
-        model, queries[q], responses[r], valid[r], pad_token_id, hp.temperature)[0] for q, r in chunks])
-    if fused:
-        with amp():
-            first = shared_prefix_logprobs(policy, queries, responses, valid, pad_token_id, hp.temperature, True)
-    with torch.no_grad(), amp():
-        if need_old:
-            old_logprobs = logprobs_of(policy)
-        elif fused:
-            old_logprobs = first[0].detach()
-        else:  # filled by the training passes
-            old_logprobs = torch.zeros(B, T, device=device)
-        ref_logprobs = logprobs_of(ref_policy) if hp.kl_coef > 0 else None
-        kl_of = lambda logprobs: kl_penalty(logprobs, ref_logprobs, estimator) * train \
-            if ref_logprobs is not None else torch.zeros(B, T, device=device)  # noqa: E731
-
-        # 3. Sequence rewards: score minus kl_coef x the summed KL of the trained tokens (when the KL is in the reward).
-        scores = rewards if rewards.dim() == 1 else rewards.sum(1)  # [B]: all of it, padding positions too
-        non_score = -hp.kl_coef * kl_of(old_logprobs).sum(1) if hp.kl_in_reward else torch.zeros_like(scores)
-        sequence_rewards = scores + non_score  # [B]
-
-        # 4. Leave-one-out baselines and advantages (optionally normalised by their standard deviation).
-        advantages, baselines = rloo_advantages(sequence_rewards, k)
-        n = global_sum(torch.tensor(float(B), device=device))
-        advantage_std = torch.sqrt(global_sum((advantages ** 2).sum()) / n)  # the advantages have mean 0 per prompt
-        if hp.normalize_advantages:
-            advantages = advantages / (advantage_std + 1e-8)
-        equal_groups = (sequence_rewards.view(P, k) == sequence_rewards.view(P, k)[:, :1]).all(1).float().mean()
-
-    # 5. Clipped policy-gradient epochs over shuffled mini-batches of whole prompts; the sequence advantage weights
-    # every trained token; losses are token sums over the mini-batch's token count on all processes.
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    stats = {k_: [] for k_ in ("pg_loss", "kl_loss", "approxkl", "clipfrac", "entropy", "ratio")}
-    mini, skipped = P // hp.num_mini_batches, 0
-    for _ in range(hp.num_ppo_epochs):
-        order = torch.randperm(P, device=device)
-        for start in range(0, P, mini):
-            mb = order[start:start + mini]
-            rows = (mb[:, None] * k + torch.arange(k, device=device)).flatten()
-            n_train = global_sum(train[rows].sum().float()).clamp(min=1) / world_size()
-            bad = torch.zeros((), device=device)
-            for m in range(0, mini, micro):
-                pi = mb[m:m + micro]
-                i = (pi[:, None] * k + torch.arange(k, device=device)).flatten()
-                if fused:
-                    new_logprobs, entropy = (x[i] for x in first)
-                else:
-                    with amp():
-                        new_logprobs, entropy = shared_prefix_logprobs(policy, queries[pi], responses[i], valid[i],
-                                                                       pad_token_id, hp.temperature, True)
-                if not need_old and not fused:
-                    old_logprobs[i] = new_logprobs.detach()
-                log_ratio = new_logprobs - old_logprobs[i]
-                ratio = log_ratio.exp()
-                adv = advantages[i, None]
-                pg_losses = torch.max(-adv * ratio, -adv * ratio.clamp(1 - hp.cliprange, 1 + hp.cliprange))
-                loss = (pg_losses * train[i]).sum() / n_train
-                kl_losses = kl_penalty(new_logprobs, ref_logprobs[i], estimator) if hp.kl_coef > 0 \
-                    else torch.zeros_like(new_logprobs)
-                if not hp.kl_in_reward:
-                    loss = loss + hp.kl_coef * (kl_losses * train[i]).sum() / n_train
-                loss.backward()  # even when not finite: every process runs the same collectives
-                if not torch.isfinite(loss):
-                    bad += 1
-                    continue
-                with torch.no_grad():
-                    t = train[i]
-                    stats["pg_loss"].append(masked_mean(pg_losses, t))
-                    stats["kl_loss"].append(masked_mean(kl_losses, t))
-                    stats["approxkl"].append(0.5 * masked_mean(log_ratio ** 2, t))
-                    stats["clipfrac"].append(masked_mean(((ratio - 1).abs() > hp.cliprange).float(), t))
-                    stats["entropy"].append(masked_mean(entropy, t))
-                    stats["ratio"].append(masked_mean(ratio, t))
-            if not step_or_skip(optimizer, params, global_sum(bad) > 0, hp.max_grad_norm, hp.skip_nonfinite):
-                skipped += 1
-
-    # 6. Metrics (means over this process's batch; the caller averages them over processes).
-    ratios = torch.stack(stats["ratio"]) if stats["ratio"] else torch.full((1,), float("nan"))
-    mean = lambda key: torch.stack(stats[key]).mean().item() if stats[key] else float("nan")  # noqa: E731
-    last = (valid.sum(1) - 1).clamp(min=0)
-    eos = (responses.gather(1, last[:, None])[:, 0] == eos_token_id) & valid.any(1) if eos_token_id is not None \
-        else torch.zeros(B, dtype=torch.bool, device=device)
-    return {
-        "objective/kl": kl_of(old_logprobs).sum(1).mean().item(),
-        "objective/entropy": (-old_logprobs * train).sum(1).mean().item(),
-        "objective/non_score_reward": non_score.mean().item(),
-        "objective/rlhf_reward": sequence_rewards.mean().item(),
-        "objective/scores": scores.mean().item(),
-        "policy/approxkl_avg": mean("approxkl"),
-        "policy/clipfrac_avg": mean("clipfrac"),
-        "policy/entropy_avg": mean("entropy"),
-        "loss/policy_avg": mean("pg_loss"),
-        "loss/kl_avg": mean("kl_loss"),
-        "val/ratio": ratios.mean().item(),
-        "val/ratio_var": ratios.var().item() if len(ratios) > 1 else 0.0,
-        "val/num_eos_tokens": eos.sum().item(),
-        "val/response_length": valid.sum(1).float().mean().item(),
-        "rloo/baseline_avg": baselines.mean().item(),
-        "rloo/advantage_std": advantage_std.item(),
-        "rloo/frac_equal_groups": equal_groups.item(),
-        "loss/nonfinite_skipped": float(skipped),
-    }
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Run plumbing: processes, evaluation, run records, checkpoints
 
 
 def setup_distributed() -> tuple[int, int, torch.device]:
@@ -1175,17 +1328,8 @@ def average_metrics(metrics: dict, device: torch.device, counts: tuple[str, ...]
     return {k: v if k in counts else v / world_size() for k, v in zip(metrics, values)}
 
 
-def evaluate(policy, tokenizer, task: dict, greedy: GenerationConfig, stop_strings: list[str], rank: int,
-             world: int) -> tuple[dict, list]:
-    """Greedy decoding on the task's fixed evaluation rows (split over processes): mean score and task/accuracy
-    (the fraction reaching --success-threshold), and a few samples."""
-    out = rollout(policy, tokenizer, task["eval_rows"][rank::world], greedy, stop_strings, task)
-    device = next(policy.parameters()).device
-    success = (out["scores"] >= task["args"].success_threshold).sum()
-    total = global_sum(torch.tensor([out["scores"].sum(), success, len(out["scores"])], dtype=torch.float64,
-                                    device=device)).tolist()
-    samples = [[str(p), t, s] for p, t, s in zip(out["prompts"], out["texts"], out["scores"].tolist())][:16]
-    return {"eval/scores": total[0] / total[2], "task/accuracy": total[1] / total[2]}, samples
+# ---------------------------------------------------------------------------------------------------------------------
+# Run records and checkpoints
 
 
 def open_run(args, output_dir: Path, start: int, run_name: str) -> tuple[Path, Any]:
@@ -1273,146 +1417,6 @@ def load_state(folder: Path) -> dict:
         fail("--resume", str(folder), f"its state.pt holds {found}, not only tensors, numbers, strings, lists and "
                                       "dicts, and loading it could run code: refused; resume from a checkpoint that "
                                       "this script wrote")
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# The training loop
-
-
-def main(args: Args) -> None:
-    hp, gen = args.rloo, args.gen
-    # ---- validate the configuration before anything is loaded
-    rank, world, device = setup_distributed()
-    builtin_task = check_task(args.task)
-    gen.max_new_tokens = gen.max_new_tokens or (4 if builtin_task else 64)
-    if hp.rloo_k < 2:
-        fail("--rloo-k", hp.rloo_k, "needs at least 2 samples per prompt for a leave-one-out baseline")
-    try:
-        kl_estimator_for(hp)
-    except ValueError as e:
-        fail("--kl-estimator", hp.kl_estimator, str(e))
-    local_prompts = args.batch_size // (hp.rloo_k * world)
-    if args.batch_size % (hp.rloo_k * world) or local_prompts % (hp.num_mini_batches * hp.gradient_accumulation_steps):
-        fail("--batch-size", args.batch_size, f"must be divisible by --rloo-k ({hp.rloo_k}) x {world} process(es) x "
-             f"--num-mini-batches ({hp.num_mini_batches}) x --gradient-accumulation-steps "
-             f"({hp.gradient_accumulation_steps})")
-    num_iterations = args.total_episodes // args.batch_size
-    if num_iterations < 1:
-        fail("--total-episodes", args.total_episodes, f"must be at least --batch-size ({args.batch_size})")
-    if args.resume and args.resume != "latest" and args.output_dir is None:
-        args.output_dir = str(Path(args.resume).parent.parent)
-    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
-    output_dir = Path(args.output_dir or f"runs/{run_name}")
-    ckpt = find_checkpoint(args.resume, output_dir) if args.resume else None
-
-    # ---- models: policy and frozen reference (no value model); the same initial weights in every process
-    random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    tokenizer, policy = load_policy(args.model, args.trust_remote_code)
-    # 7. Models: a frozen copy of the policy is the reference; there is no value model.
-    ref_policy = disable_dropout(copy.deepcopy(policy)).eval().requires_grad_(False)
-    task = load_task(args.task, tokenizer, model_context(policy), gen.max_new_tokens, args.trust_remote_code)
-    if args.fsdp and not torch.distributed.is_initialized():
-        fail("--fsdp", True, "FSDP shards over processes: launch with torchrun --nproc_per_node N")
-    if len(task["eval_rows"]) < world:
-        fail("--num-eval-prompts", args.task.num_eval_prompts, f"give at least one per process ({world})")
-    if ckpt is not None:
-        policy.load_state_dict(AutoModelForCausalLM.from_pretrained(ckpt / "policy").state_dict())
-    for model in (policy, ref_policy, task["reward_model"], task["prm"]):
-        if model is not None:
-            disable_dropout(model.to(device))
-            shard(model, init_device_mesh(device.type, (world,))) if args.fsdp else None
-    lr = args.learning_rate or (1e-3 if args.model == "builtin" else 3e-6)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=lr, eps=1e-5)
-
-    # ---- seeding per process (ranks sample differently), or the saved state of a resumed run
-    random.seed(args.seed + rank)
-    torch.manual_seed(args.seed + rank)
-    start, episode, elapsed, accuracy = 1, 0, 0.0, None  # accuracy: the last evaluation's, for the progress bar
-    prompt_state = {"epoch": 0, "pos": 0, "rng": random.Random(args.seed).getstate()}
-    if ckpt is not None:
-        state = load_state(ckpt)
-        load_optimizer_state(optimizer, state["optimizer"])
-        set_rng_states(state["rng"][rank % len(state["rng"])])
-        prompt_state, run_name, accuracy = state["prompt_state"], state["run_name"], state["accuracy"]
-        start, episode, elapsed = state["iteration"] + 1, state["episode"], state["elapsed"]
-    if args.compile:
-        for model in (policy, ref_policy):
-            model.forward = torch.compile(model.forward, dynamic=True)
-    metrics_path, run = open_run(args, output_dir, start, run_name) if rank == 0 else (None, None)
-    sample, greedy = generation_configs(gen, tokenizer, hp.temperature)
-    if args.compile:  # decode_loop's one-token step, one graph per batch size, replayed as a CUDA graph on GPUs
-        sample.compile_config = greedy.compile_config = CompileConfig(
-            fullgraph=True, dynamic=False, mode="reduce-overhead" if device.type == "cuda" else "default")
-    if rank == 0 and off_policy_note(gen):
-        print(off_policy_note(gen))
-
-    if start == 1:
-        with autocast(hp.dtype, device):
-            metrics, samples = evaluate(policy, tokenizer, task, greedy, gen.stop_strings, rank, world)
-        log_row(metrics_path, run, {"iteration": 0, "episode": 0, "elapsed_s": 0.0, **metrics}, samples)
-        accuracy = metrics["task/accuracy"]
-    progress = tqdm(range(start, num_iterations + 1), initial=start - 1, total=num_iterations, desc="rloo",
-                    disable=rank != 0)
-    t0 = time.time() - elapsed
-    for iteration in progress:
-        # 8. Rollout: anneal the learning rate, take this process's share of the prompts, k samples of each.
-        if args.anneal_lr:
-            optimizer.param_groups[0]["lr"] = lr * (1 - (iteration - 1) / num_iterations)
-        prompts = draw_rows(task, prompt_state, args.batch_size // hp.rloo_k, args.seed)
-        rows = [r for r in prompts[rank * local_prompts:(rank + 1) * local_prompts] for _ in range(hp.rloo_k)]
-        with autocast(hp.dtype, device):
-            out = rollout(policy, tokenizer, rows, sample, gen.stop_strings, task)
-        # 9. Update: the scores (with a PRM, plus its aggregated step scores) go into one rloo_step.
-        rewards = sequence_rewards(out["scores"], out["process"], args.task.prm_aggregate, args.task.prm_weight)
-        try:
-            metrics = rloo_step(policy, ref_policy, optimizer, out["queries"], out["responses"], rewards,
-                                out["masks"], hp=hp, pad_token_id=tokenizer.pad_token_id,
-                                eos_token_id=tokenizer.eos_token_id)
-        except FloatingPointError as e:
-            fail("--skip-nonfinite", False, f"{e} at iteration {iteration}: the run stops here, its last good "
-                 "checkpoint kept; lower --learning-rate, check the rewards, or pass --skip-nonfinite")
-        # 10. Log: metrics averaged over processes (counts summed), one row per iteration; greedy evaluation every
-        # --eval-every.
-        episode += args.batch_size
-        row = {"iteration": iteration, "episode": episode, "elapsed_s": round(time.time() - t0, 3),
-               "lr": optimizer.param_groups[0]["lr"], **average_metrics(metrics, device, ("val/num_eos_tokens",))}
-        if args.compile and iteration == start:  # torch.compile's seconds so far: the decode steps and the forwards
-            row["perf/compile_s"] = round(torch._dynamo.utils.calculate_time_spent()["total_wall_time"], 1)
-        samples = None
-        if iteration % args.eval_every == 0 or iteration == num_iterations:
-            with autocast(hp.dtype, device):
-                eval_metrics, samples = evaluate(policy, tokenizer, task, greedy, gen.stop_strings, rank, world)
-            row.update(eval_metrics)
-        log_row(metrics_path, run, row, samples)
-        accuracy = row.get("task/accuracy", accuracy)
-        progress.set_postfix(score=f"{row['objective/scores']:.3f}", kl=f"{row['objective/kl']:.3f}",
-                             acc=f"{accuracy:.3f}")
-        # 11. Checkpoint: policy, optimizer, random states and prompt position, written whole or not at all.
-        if args.save_every and iteration % args.save_every == 0:
-            rngs = [rng_states()] * world
-            if world > 1:
-                torch.distributed.all_gather_object(rngs, rng_states())
-            state = {"iteration": iteration, "episode": episode, "elapsed": time.time() - t0, "run_name": run_name,
-                     "optimizer": optimizer_state(optimizer), "rng": rngs, "prompt_state": prompt_state,
-                     "accuracy": accuracy}
-            weights = {"policy": full_state_dict(policy)}
-            if rank == 0:
-                save_checkpoint(output_dir / "checkpoints" / f"iter_{iteration:06d}", {"policy": policy}, weights,
-                                tokenizer, state, args.keep_checkpoints)
-
-    weights = full_state_dict(policy)
-    if rank == 0:
-        policy.save_pretrained(output_dir / "model", state_dict=weights)
-        tokenizer.save_pretrained(output_dir / "model")
-        final = json.loads(metrics_path.read_text().splitlines()[-1])
-        print(f"final task/accuracy {final.get('task/accuracy')} eval/scores {final.get('eval/scores')} after "
-              f"{final['episode']} episodes in {final['elapsed_s']:.0f}s; model in {output_dir / 'model'}")
-    if run is not None:
-        run.finish()
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()  # no process tears the group down while another still uses it (saving)
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
