@@ -655,29 +655,6 @@ def addition_eval_rows() -> list[dict]:
     return [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(10) for b in range(10)]
 
 
-def multistep_problem(rng: random.Random) -> dict:
-    """One problem of the built-in task: a running sum of 3-5 operands 0-4 ('2+3+4='), its correct steps
-    (['2+3=5', '5+4=9']) and its answer ('9')."""
-    nums = [rng.randrange(5) for _ in range(rng.randint(3, 5))]
-    steps, total = [], nums[0]
-    for x in nums[1:]:
-        steps.append(f"{total}+{x}={total + x}")
-        total += x
-    return {"prompt": "+".join(map(str, nums)) + "=", "steps": steps, "answer": str(total)}
-
-
-def multistep_prompt(rng: random.Random) -> dict:
-    """A prompt row of the multi-step task (stepwise_prm.py's data): --prompt-fn ppo:multistep_prompt."""
-    problem = multistep_problem(rng)
-    return {"prompt": problem["prompt"], "answer": problem["answer"]}
-
-
-def multistep_reward(prompts, completions, answer, **kwargs) -> list[float]:
-    """1.0 when the result of the last step ('...=9') is the answer, else 0.0: --reward-fn ppo:multistep_reward."""
-    last = [c.strip().split("\n")[-1].rpartition("=")[2].strip() for c in completions]
-    return [float(x == a) for x, a in zip(last, answer)]
-
-
 def addition_reward(prompts, completions, completion_ids, answer, tokenizer, **kwargs) -> list[float]:
     """1.0 for the exact answer followed by EOS; else partial credit: 0.5 x the fraction of the answer's digits in
     place. From random init a 0/1 reward gives almost no signal; this one learns (see docs/ppo.md)."""

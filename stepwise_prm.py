@@ -159,6 +159,19 @@ def multistep_problem(rng: random.Random) -> dict:
     return {"prompt": "+".join(map(str, nums)) + "=", "steps": steps, "answer": str(total)}
 
 
+def multistep_prompt(rng: random.Random) -> dict:
+    """A prompt row of the multi-step task, for ppo.py and rloo.py: --prompt-fn stepwise_prm:multistep_prompt."""
+    problem = multistep_problem(rng)
+    return {"prompt": problem["prompt"], "answer": problem["answer"]}
+
+
+def multistep_reward(prompts, completions, answer, **kwargs) -> list[float]:
+    """1.0 when the result of the last step ('...=9') is the answer, else 0.0 (for ppo.py and rloo.py: --reward-fn
+    stepwise_prm:multistep_reward)."""
+    last = [c.strip().split("\n")[-1].rpartition("=")[2].strip() for c in completions]
+    return [float(x == a) for x, a in zip(last, answer)]
+
+
 def multistep_row(rng: random.Random, prompt: str | None = None, p_wrong: float = 0.5) -> dict:
     """A labelled solution to `prompt` (default: a new problem) in the stepwise format. With probability p_wrong one
     step's result is off by 1-3; later steps carry on from the wrong value; that step and every later one are

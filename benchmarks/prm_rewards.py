@@ -3,8 +3,8 @@ arithmetic task (running sums, stepwise_prm.py's data), same seeds and episodes.
 
 1. stepwise_prm.py with no arguments trains the PRM (and saves its warm-started LM).
 2. A weaker policy to improve on: stepwise_prm.py's causal-LM warm start cut to 300 steps (its warmup_lm/).
-3. ppo.py from that policy on --prompt-fn ppo:multistep_prompt --reward-fn ppo:multistep_reward, with and without
-   --prm-model; greedy accuracy on 100 fixed problems.
+3. ppo.py from that policy on --prompt-fn stepwise_prm:multistep_prompt --reward-fn
+   stepwise_prm:multistep_reward, with and without --prm-model; greedy accuracy on 100 fixed problems.
 
     python benchmarks/prm_rewards.py                    # 2 seeds, about 20 minutes on 2 cores
     python benchmarks/prm_rewards.py --seeds 1 --episodes 12800
@@ -46,8 +46,8 @@ def main() -> None:
                                                ["--prm-model", str(out / "prm" / "model"),
                                                 "--prm-weight", str(args.prm_weight)])]:
             folder = out / f"{name.split()[0]}{'_prm' if extra else ''}_{seed}"
-            run(["ppo.py", "--model", str(out / "weak" / "warmup_lm"), "--prompt-fn", "ppo:multistep_prompt",
-                 "--reward-fn", "ppo:multistep_reward", "--max-new-tokens", "40", "--learning-rate", "3e-4",
+            run(["ppo.py", "--model", str(out / "weak" / "warmup_lm"), "--prompt-fn", "stepwise_prm:multistep_prompt",
+                 "--reward-fn", "stepwise_prm:multistep_reward", "--max-new-tokens", "40", "--learning-rate", "3e-4",
                  "--total-episodes", str(args.episodes), "--eval-every", "20", "--seed", str(seed),
                  "--output-dir", str(folder), *extra])
             rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]

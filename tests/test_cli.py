@@ -194,7 +194,8 @@ def test_rloo_needs_two_samples_per_prompt(tmp_path):
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_process_rewards_from_a_prm(script, tmp_path, tiny_prm_dir):
-    result = run_script(script, *TINY, "--prompt-fn", "ppo:multistep_prompt", "--reward-fn", "ppo:multistep_reward",
+    result = run_script(script, *TINY, "--prompt-fn", "stepwise_prm:multistep_prompt",
+                        "--reward-fn", "stepwise_prm:multistep_reward",
                         "--prm-model", tiny_prm_dir, "--prm-weight", "0.5", "--max-new-tokens", "16",
                         "--output-dir", tmp_path / "run")
     assert result.returncode == 0, result.stderr[-3000:]

@@ -13,7 +13,7 @@ MARKER = "# Machinery below:"
 SHARED_ABOVE_MARKER = ["GenArgs", "TaskArgs", "response_valid_mask", "masked_mean", "kl_penalty"]
 # stepwise_prm.py's machinery: the subset of ppo.py's block it needs, copied definition by definition
 SHARED_WITH_PRM = [
-    "multistep_problem", "autocast", "BUILTIN_CHARS", "build_tokenizer", "build_tiny_model", "fail",
+    "autocast", "BUILTIN_CHARS", "build_tokenizer", "build_tiny_model", "fail",
     "load_pretrained", "model_context", "world_size", "global_sum", "sync_gradients", "step_or_skip",
     "setup_distributed", "average_metrics", "open_run", "log_row", "rng_states", "set_rng_states", "save_checkpoint",
     "find_checkpoint", "load_state",

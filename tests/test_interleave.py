@@ -150,7 +150,8 @@ def test_learning_rates_default_by_model_and_are_logged(tmp_path, tiny_model_dir
 def test_rl_phases_with_a_prm_as_their_only_reward_train_on_its_step_scores(tmp_path, tiny_prm_dir):
     def run(phase, weight):
         out = tmp_path / f"{phase}-{weight}"
-        result = run_script("interleave.py", "--phases", phase, *TINY, f"--{phase}.prompt-fn", "ppo:multistep_prompt",
+        result = run_script("interleave.py", "--phases", phase, *TINY, f"--{phase}.prompt-fn",
+                            "stepwise_prm:multistep_prompt",
                             f"--{phase}.prm-model", tiny_prm_dir, f"--{phase}.prm-weight", weight,
                             "--max-new-tokens", "16", "--output-dir", out)
         assert result.returncode == 0, result.stderr[-3000:]
