@@ -16,10 +16,12 @@ tiny model first gets a short causal-LM warm start on the training solutions who
 (--warmup-steps), and its weights then go into the token classifier under a fresh 2-label head.
 
 Custom loops import `prm_step` (one update on tokenized rows) and `score_steps` (the probability that each step is
-correct: for best-of-N reranking or per-step rewards in RL); `main()` below is one such loop.
+correct: for best-of-N reranking or per-step rewards in RL); `main()` below is one such loop. docs/stepwise_prm.md
+explains every numbered step and every logged metric.
 """
 
 import copy
+import functools
 import json
 import math
 import os
@@ -120,147 +122,8 @@ class Args:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The built-in task: a character tokenizer, a tiny model, and multi-step running sums with some wrong steps
-
-
-BUILTIN_CHARS = "0123456789+-*=\n "
-
-
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """A character-level tokenizer over BUILTIN_CHARS, built offline with the `tokenizers` library."""
-    vocab = {t: i for i, t in enumerate(["<pad>", "<bos>", "<eos>", "<unk>", *BUILTIN_CHARS])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>",
-                                        eos_token="<eos>", unk_token="<unk>", padding_side="left")
-    tokenizer.chat_template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    return tokenizer
-
-
-def build_tiny_model(tokenizer: PreTrainedTokenizerFast, hidden: int = 64, layers: int = 2) -> torch.nn.Module:
-    """A Llama-shaped causal LM built from config (random init; seed torch first for a fixed one)."""
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=4 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
-                         max_position_embeddings=256, tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-    return AutoModelForCausalLM.from_config(config)
-
-
-def multistep_problem(rng: random.Random) -> dict:
-    """One problem of the built-in task: a running sum of 3-5 operands 0-4 ('2+3+4='), its correct steps
-    (['2+3=5', '5+4=9']) and its answer ('9')."""
-    nums = [rng.randrange(5) for _ in range(rng.randint(3, 5))]
-    steps, total = [], nums[0]
-    for x in nums[1:]:
-        steps.append(f"{total}+{x}={total + x}")
-        total += x
-    return {"prompt": "+".join(map(str, nums)) + "=", "steps": steps, "answer": str(total)}
-
-
-def multistep_prompt(rng: random.Random) -> dict:
-    """A prompt row of the multi-step task, for ppo.py and rloo.py: --prompt-fn stepwise_prm:multistep_prompt."""
-    problem = multistep_problem(rng)
-    return {"prompt": problem["prompt"], "answer": problem["answer"]}
-
-
-def multistep_reward(prompts, completions, answer, **kwargs) -> list[float]:
-    """1.0 when the result of the last step ('...=9') is the answer, else 0.0 (for ppo.py and rloo.py: --reward-fn
-    stepwise_prm:multistep_reward)."""
-    last = [c.strip().split("\n")[-1].rpartition("=")[2].strip() for c in completions]
-    return [float(x == a) for x, a in zip(last, answer)]
-
-
-def multistep_row(rng: random.Random, prompt: str | None = None, p_wrong: float = 0.5) -> dict:
-    """A labelled solution to `prompt` (default: a new problem) in the stepwise format. With probability p_wrong one
-    step's result is off by 1-3; later steps carry on from the wrong value; that step and every later one are
-    labelled False, as in Math-Shepherd."""
-    prompt = prompt or multistep_problem(rng)["prompt"]
-    nums = [int(x) for x in prompt[:-1].split("+")]
-    wrong_at = rng.randrange(len(nums) - 1) if rng.random() < p_wrong else len(nums)
-    completions, total = [], nums[0]
-    for i, x in enumerate(nums[1:]):
-        result = total + x
-        if i == wrong_at:
-            off = rng.randint(1, 3)
-            result += off if result < off or rng.random() < 0.5 else -off
-        completions.append(f"{total}+{x}={result}")
-        total = result
-    return {"prompt": prompt, "completions": completions, "labels": [i < wrong_at for i in range(len(nums) - 1)]}
-
-
-def builtin_rows(rng: random.Random, n: int, held_out: bool) -> list[dict]:
-    """n labelled rows whose problems are (held_out=True) or are not in the held-out tenth of all problems, chosen
-    by a hash of the prompt, so that no evaluation problem is ever trained on."""
-    rows = []
-    while len(rows) < n:
-        row = multistep_row(rng)
-        if (zlib.crc32(row["prompt"].encode()) % 10 == 0) == held_out:
-            rows.append(row)
-    return rows
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Loading and checking stepwise data
-
-
-def fail(flag: str, value: Any, fix: str) -> NoReturn:
-    """Stop the run with one line that names the flag, its value and the fix (no traceback)."""
-    raise SystemExit(f"error: {flag} {value!r}: {fix}")
-
-
-def load_pretrained(auto_cls, name: str, flag: str, trust_remote_code: bool = False, **kwargs) -> Any:
-    """from_pretrained with a one-line error when the folder or hub id cannot be loaded."""
-    try:
-        return auto_cls.from_pretrained(name, trust_remote_code=trust_remote_code, **kwargs)
-    except (OSError, ValueError) as e:
-        if "trust_remote_code=True" in str(e) and not trust_remote_code:
-            fail(flag, name, "its model code comes with it (auto_map in its config.json), and runs when loaded; pass "
-                             "--trust-remote-code if you trust that code")
-        hint = "no such folder, and" if not os.path.isdir(name) else "the folder exists but"
-        fail(flag, name, f"{hint} it cannot be loaded ({str(e).splitlines()[0][:120]}); give a folder written by "
-                         "save_pretrained or a Hugging Face id (offline runs need a local folder)")
-
-
-def model_context(model) -> int:
-    """The most positions the model takes."""
-    return getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None) or 10**9
-
-
-def load_stepwise(path: str, split: str) -> list[dict]:
-    """Rows (prompt, completions, labels) of a hub dataset or a local json/jsonl/parquet file or folder, checked:
-    any bad row stops the run with one line naming the row and the fix."""
-    kinds = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
-    try:
-        if os.path.isfile(path):
-            if Path(path).suffix not in kinds:
-                fail("--dataset", path, f"unknown file type; use one of {sorted(kinds)}")
-            ds = datasets.load_dataset(kinds[Path(path).suffix], data_files=path, split=split)
-        else:
-            ds = datasets.load_dataset(path, split=split)
-    except (OSError, ValueError, datasets.exceptions.DatasetsError) as e:  # OSError: no file, or offline
-        fail("--dataset", path, f"cannot load split {split!r} ({str(e).splitlines()[0][:120]}); check the path, "
-                                "the hub id and --dataset-split/--eval-split (a single file is the split 'train')")
-    missing = [c for c in ("prompt", "completions", "labels") if c not in ds.column_names]
-    if missing:
-        fail("--dataset", path, f"missing column(s) {missing}: stepwise rows need prompt, completions and labels; "
-                                f"it has {ds.column_names}")
-    rows = ds.select_columns(["prompt", "completions", "labels"]).to_list()
-    for i, row in enumerate(rows):
-        where, steps, labels = f"row {i} of split {split!r}", row["completions"] or [], row["labels"] or []
-        if not isinstance(row["prompt"], str) or not all(isinstance(s, str) for s in steps):
-            fail("--dataset", path, f"{where}: the prompt and every completion must be strings")
-        if not steps:
-            fail("--dataset", path, f"{where} has no completions; give each row at least one step, or drop the row")
-        if len(labels) != len(steps):
-            fail("--dataset", path, f"{where} has {len(labels)} labels for {len(steps)} completions; give one "
-                                    "label per step")
-        bad = [v for v in labels if not isinstance(v, bool)]
-        if bad:
-            fail("--dataset", path, f"{where} has the label {bad[0]!r}, which is not a boolean; write each label as "
-                                    "true or false (numbers are not cast)")
-    return rows
+# The algorithm: a row's tokens with each step's label on its last token, one update (prm_step), and using a PRM:
+# step scores (score_steps), the held-out metrics (evaluate), best-of-N reranking
 
 
 def tokenize_example(tokenizer, prompt: str, completions: list[str], labels: list[bool], step_separator: str = "\n",
@@ -280,116 +143,10 @@ def tokenize_example(tokenizer, prompt: str, completions: list[str], labels: lis
         keep = not train_on_last_step_only or i == len(completions) - 1
         completion_ids += ids + separator
         completion_labels += [-100] * (len(ids) + len(separator) - 1) + [int(label) if keep else -100]
-    if max_completion_length is not None:
-        completion_ids, completion_labels = completion_ids[:max_completion_length], \
-            completion_labels[:max_completion_length]
-    input_ids, labels = prompt_ids + completion_ids, [-100] * len(prompt_ids) + completion_labels
-    if max_length is not None:
-        input_ids, labels = input_ids[:max_length], labels[:max_length]
-    return {"input_ids": input_ids, "labels": labels}
-
-
-def pad_batch(examples: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad tokenized rows: input_ids, attention_mask and labels, each [B, L] (labels -100 on padding)."""
-    width = max(len(e["input_ids"]) for e in examples)
-    pad = lambda seq, value: seq + [value] * (width - len(seq))  # noqa: E731
-    return {"input_ids": torch.tensor([pad(e["input_ids"], pad_token_id) for e in examples]),
-            "attention_mask": torch.tensor([pad([1] * len(e["input_ids"]), 0) for e in examples]),
-            "labels": torch.tensor([pad(e["labels"], -100) for e in examples])}
-
-
-def length_grouped_batches(lengths: list[int], batch_size: int, seed: int) -> list[list[int]]:
-    """One epoch of batches of rows of similar length, so that little of each batch is padding: shuffle, sort each
-    window of 50 batches by length, cut it into batches (a window's last partial batch is dropped), shuffle them."""
-    generator = torch.Generator().manual_seed(seed)
-    order, window, batches = torch.randperm(len(lengths), generator=generator).tolist(), 50 * batch_size, []
-    for w in range(0, len(order), window):
-        rows = sorted(order[w:w + window], key=lambda i: lengths[i])
-        batches += [rows[b:b + batch_size] for b in range(0, len(rows) - batch_size + 1, batch_size)]
-    return [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
-
-
-def next_batch(lengths: list[int], state: dict, batch_size: int, seed: int) -> list[int]:
-    """Row indices of the next batch. `state` (the epoch and its batches still to come) is all the position there
-    is, and goes into checkpoints."""
-    if not state["batches"]:
-        state["batches"] = length_grouped_batches(lengths, batch_size, seed + state["epoch"])
-        state["epoch"] += 1
-    return state["batches"].pop()
-
-
-def warm_start(lm, examples: list[dict], steps: int, lr: float, batch_size: int, pad_token_id: int, seed: int,
-               progress: bool = False) -> float:
-    """Train a causal LM on solutions (tokenized rows) so that the PRM starts from weights that know the domain.
-    Returns the mean loss over the last tenth of the steps."""
-    optimizer = torch.optim.AdamW(lm.parameters(), lr=lr)
-    state, losses, device = {"epoch": 0, "batches": []}, [], next(lm.parameters()).device
-    lengths = [len(e["input_ids"]) for e in examples]
-    for step in tqdm(range(steps), desc="warm start", disable=not progress):
-        optimizer.param_groups[0]["lr"] = lr * (1 - step / steps)
-        batch = pad_batch([examples[i] for i in next_batch(lengths, state, batch_size, seed)], pad_token_id)
-        targets = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
-        loss = lm(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device),
-                  labels=targets.to(device)).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(lm.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    tail = losses[-max(1, steps // 10):]
-    return sum(tail) / len(tail)
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# The PRM update (with ppo.py's gradient averaging and NaN guard), and using a PRM
-
-
-def world_size() -> int:
-    """Number of processes (1 without torchrun)."""
-    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-
-
-def global_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum over all processes (identity in a single process)."""
-    if torch.distributed.is_initialized():
-        x = x.clone()
-        torch.distributed.all_reduce(x)
-    return x
-
-
-def autocast(dtype: str, device: torch.device) -> torch.autocast:
-    """A context that runs forward passes in bf16 when dtype is 'bf16' (backward passes stay outside it)."""
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16")
-
-
-def sync_gradients(params: list[torch.nn.Parameter]) -> None:
-    """Average gradients over processes, what DistributedDataParallel does after backward (left to FSDP when the
-    parameters are sharded DTensors, whose gradients it has already reduced)."""
-    if not torch.distributed.is_initialized():
-        return
-    grads = [p.grad for p in params if p.grad is not None and not hasattr(p.grad, "placements")]
-    if grads:
-        flat = torch.cat([g.flatten() for g in grads])
-        torch.distributed.all_reduce(flat)
-        flat /= torch.distributed.get_world_size()
-        for g, chunk in zip(grads, flat.split([g.numel() for g in grads])):
-            g.copy_(chunk.view_as(g))
-
-
-def step_or_skip(optimizer, params: list, nonfinite: bool, max_grad_norm: float, skip_nonfinite: bool) -> bool:
-    """Average the gradients over processes, clip them and take the optimizer step, unless a loss (`nonfinite`) or
-    the gradient norm is NaN/inf: then drop the gradients and skip the step, or raise FloatingPointError so that the
-    run stops with its last good checkpoint in place. Returns whether the step was taken."""
-    if not nonfinite:
-        sync_gradients(params)
-        nonfinite = not torch.isfinite(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
-    if nonfinite and not skip_nonfinite:
-        optimizer.zero_grad(set_to_none=True)
-        raise FloatingPointError("the loss or the gradient norm is NaN/inf")
-    if not nonfinite:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return not nonfinite
+    # the steps cut to max_completion_length, then the row to max_length (a slice up to None cuts nothing)
+    input_ids = prompt_ids + completion_ids[:max_completion_length]
+    labels = [-100] * len(prompt_ids) + completion_labels[:max_completion_length]
+    return {"input_ids": input_ids[:max_length], "labels": labels[:max_length]}
 
 
 def prm_step(model, optimizer, batch: list[dict], *, pad_token_id: int, gradient_accumulation_steps: int = 1,
@@ -474,10 +231,9 @@ def evaluate(model, examples: list[dict], pad_token_id: int, device: torch.devic
     model.train(was_training)
     tp, fp, fn, tn, solved, rows = global_sum(counts.to(device)).tolist()
     precision, recall = tp / max(tp + fp, 1), tp / max(tp + fn, 1)
+    f1 = 2 * precision * recall / max(precision + recall, 1e-12)
     return {"eval/step_accuracy": (tp + tn) / max(tp + fp + fn + tn, 1), "eval/wrong_step_precision": precision,
-            "eval/wrong_step_recall": recall, "eval/wrong_step_f1": 2 * precision * recall / max(precision + recall,
-                                                                                                 1e-12),
-            "eval/solution_accuracy": solved / max(rows, 1)}
+            "eval/wrong_step_recall": recall, "eval/wrong_step_f1": f1, "eval/solution_accuracy": solved / max(rows, 1)}
 
 
 def best_of_n(model, tokenizer, candidates: list[list[dict]], step_separator: str, device: torch.device) -> dict:
@@ -498,7 +254,422 @@ def best_of_n(model, tokenizer, candidates: list[list[dict]], step_separator: st
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Run plumbing: processes, run records, checkpoints (copies of ppo.py's)
+# The loop: the numbered steps below. main() calls the machinery under the marker: Python looks names up when a call
+# runs, so they may be defined after it.
+
+
+def main(args: Args) -> None:
+    t0 = time.time()
+    # ---- validate the configuration before anything is loaded
+    rank, world, device = setup_distributed()
+    builtin = args.model == "builtin"
+    if args.batch_size % (world * args.gradient_accumulation_steps):
+        fail("--batch-size", args.batch_size, f"must be divisible by {world} process(es) x "
+                                              f"--gradient-accumulation-steps ({args.gradient_accumulation_steps})")
+    if args.total_steps < 1:
+        fail("--total-steps", args.total_steps, "give at least 1")
+    if args.warmup_steps and not builtin:
+        fail("--warmup-steps", args.warmup_steps, "the warm start is for the built-in model; a pretrained --model "
+                                                  "needs none: leave it out")
+    if args.resume and args.resume != "latest" and args.output_dir is None:
+        args.output_dir = str(Path(args.resume).parent.parent)
+    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    output_dir = Path(args.output_dir or f"runs/{run_name}")
+    ckpt = find_checkpoint(args.resume, output_dir) if args.resume else None
+
+    # ---- tokenizer, model (the built-in one a causal LM until step 6; the same weights in every process), data
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    tokenizer, model = load_model(args)
+    train_rows, eval_rows, candidates = load_rows(args)
+    # 5. Tokenize: [BOS] prompt step sep step sep ..., each step's label on its last token, -100 elsewhere.
+    tokenize = functools.partial(tokenize_example, tokenizer, step_separator=args.step_separator,
+                                 max_length=args.max_length or model_context(model),
+                                 max_completion_length=args.max_completion_length)
+    train = [tokenize(**r, train_on_last_step_only=args.train_on_last_step_only) for r in train_rows]
+    evals = [tokenize(**r) for r in eval_rows]
+    train, evals = [e for e in train if max(e["labels"]) >= 0], [e for e in evals if max(e["labels"]) >= 0]
+    if len(train) < args.batch_size or len(evals) < world:  # truncation can cut every label of a row
+        fail("--batch-size", args.batch_size, f"{len(train)} training and {len(evals)} held-out rows keep a label "
+                                              "after truncation; give more data, or raise --max-length")
+
+    # ---- the token classifier: the built-in LM after its warm start under a fresh 2-label head, or --model
+    lr = args.learning_rate or (1e-3 if builtin else 1e-5)
+    warmup_loss = None
+    if builtin:
+        # 6. Built-in model: a causal-LM warm start on the all-correct solutions, then a fresh 2-label head.
+        lm = model
+        warmup_steps = 1500 if args.warmup_steps is None else args.warmup_steps
+        if warmup_steps and ckpt is None:
+            warmup_loss = warm_start(lm.to(device), tokenizer, [tokenize(**r) for r in train_rows if all(r["labels"])],
+                                     warmup_steps, lr, args.batch_size, args.seed, output_dir / "warmup_lm", rank)
+        config = copy.deepcopy(lm.config)
+        config.num_labels = 2
+        model = AutoModelForTokenClassification.from_config(config)
+        model.load_state_dict(lm.state_dict(), strict=False)  # all but the head (score.*)
+    model.config.id2label, model.config.label2id = {0: "wrong", 1: "correct"}, {"wrong": 0, "correct": 1}
+    model.config.pad_token_id = tokenizer.pad_token_id
+    if ckpt is not None:
+        model.load_state_dict(AutoModelForTokenClassification.from_pretrained(ckpt / "model").state_dict())
+    model.to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+
+    # ---- seeding per process (dropout differs between ranks), or the saved state of a resumed run
+    random.seed(args.seed + rank)
+    torch.manual_seed(args.seed + rank)
+    state = {"iteration": 0, "elapsed": time.time() - t0, "run_name": run_name, "f1": None,  # f1: the last eval's
+             "data_state": {"epoch": 0, "batches": []}}  # data_state: the position in the data (next_batch)
+    if ckpt is not None:
+        state = load_state(ckpt)
+        optimizer.load_state_dict(state.pop("optimizer"))
+        rngs = state.pop("rng")
+        set_rng_states(rngs[rank % len(rngs)])
+    start = state["iteration"] + 1
+    metrics_path, run = open_run(args, output_dir, start, state["run_name"]) if rank == 0 else (None, None)
+    lengths, local = [len(e["input_ids"]) for e in train], args.batch_size // world
+
+    # 7. Held-out evaluation: step accuracy, wrong-step precision/recall/F1, solution accuracy, best-of-N.
+    def evaluation() -> dict:
+        """The held-out metrics of the model now, each process scoring its share of the rows."""
+        with autocast(args.dtype, device):
+            metrics = evaluate(model, evals[rank::world], tokenizer.pad_token_id, device)
+            if candidates:
+                metrics.update(best_of_n(model, tokenizer, candidates[rank::world], args.step_separator, device))
+        return metrics
+
+    t0 = time.time() - state["elapsed"]
+    if start == 1:
+        warmup = {"warmup/loss": warmup_loss} if warmup_loss is not None else {}
+        row = {"iteration": 0, "elapsed_s": round(state["elapsed"], 3), **warmup, **evaluation()}
+        log_row(metrics_path, run, row)
+        state["f1"] = row["eval/wrong_step_f1"]
+    progress = tqdm(range(start, args.total_steps + 1), initial=start - 1, total=args.total_steps, desc="prm",
+                    disable=rank != 0)
+    for iteration in progress:
+        # 8. Training: anneal the learning rate, a batch of rows of similar length, this process's share, prm_step.
+        if args.anneal_lr:
+            optimizer.param_groups[0]["lr"] = lr * (1 - (iteration - 1) / args.total_steps)
+        rows = next_batch(lengths, state["data_state"], args.batch_size, args.seed)[rank * local:(rank + 1) * local]
+        try:
+            metrics = prm_step(model, optimizer, [train[i] for i in rows], pad_token_id=tokenizer.pad_token_id,
+                               gradient_accumulation_steps=args.gradient_accumulation_steps,
+                               max_grad_norm=args.max_grad_norm, skip_nonfinite=args.skip_nonfinite, dtype=args.dtype)
+        except FloatingPointError as e:
+            fail("--skip-nonfinite", False, f"{e} at step {iteration}: the run stops here, its last good checkpoint "
+                 "kept; lower --learning-rate, check the data, or pass --skip-nonfinite")
+        row = {"iteration": iteration, "elapsed_s": round(time.time() - t0, 3), "lr": optimizer.param_groups[0]["lr"],
+               **average_metrics(metrics, device, counts=("train/tokens",))}
+        if iteration % args.eval_every == 0 or iteration == args.total_steps:
+            row.update(evaluation())
+        log_row(metrics_path, run, row)
+        state["f1"] = row.get("eval/wrong_step_f1", state["f1"])
+        progress.set_postfix(loss=f"{row['train/loss']:.3f}", f1=f"{state['f1']:.3f}")
+        # 9. Checkpoint: model, optimizer, random states and data position, written whole or not at all.
+        if args.save_every and iteration % args.save_every == 0:
+            state.update(iteration=iteration, elapsed=time.time() - t0)
+            write_checkpoint(output_dir / "checkpoints" / f"iter_{iteration:06d}", model, tokenizer, optimizer, state,
+                             args.keep_checkpoints, rank, world)
+    close_run(args, model, tokenizer, output_dir, metrics_path, run, rank)
+
+
+# Machinery below: the built-in task, loading and checking data, batching, processes, checkpoints; no algorithm.
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The built-in task: a character tokenizer, a tiny model, and multi-step running sums with some wrong steps
+
+
+BUILTIN_CHARS = "0123456789+-*=\n "
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level tokenizer over BUILTIN_CHARS, built offline with the `tokenizers` library."""
+    vocab = {t: i for i, t in enumerate(["<pad>", "<bos>", "<eos>", "<unk>", *BUILTIN_CHARS])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>",
+                                        eos_token="<eos>", unk_token="<unk>", padding_side="left")
+    tokenizer.chat_template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    return tokenizer
+
+
+def build_tiny_model(tokenizer: PreTrainedTokenizerFast, hidden: int = 64, layers: int = 2) -> torch.nn.Module:
+    """A Llama-shaped causal LM built from config (random init; seed torch first for a fixed one)."""
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=4 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
+                         max_position_embeddings=256, tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def multistep_problem(rng: random.Random) -> dict:
+    """One problem of the built-in task: a running sum of 3-5 operands 0-4 ('2+3+4='), its correct steps
+    (['2+3=5', '5+4=9']) and its answer ('9')."""
+    nums = [rng.randrange(5) for _ in range(rng.randint(3, 5))]
+    steps, total = [], nums[0]
+    for x in nums[1:]:
+        steps.append(f"{total}+{x}={total + x}")
+        total += x
+    return {"prompt": "+".join(map(str, nums)) + "=", "steps": steps, "answer": str(total)}
+
+
+def multistep_prompt(rng: random.Random) -> dict:
+    """A prompt row of the multi-step task, for ppo.py and rloo.py: --prompt-fn stepwise_prm:multistep_prompt."""
+    problem = multistep_problem(rng)
+    return {"prompt": problem["prompt"], "answer": problem["answer"]}
+
+
+def multistep_reward(prompts, completions, answer, **kwargs) -> list[float]:
+    """1.0 when the result of the last step ('...=9') is the answer, else 0.0 (for ppo.py and rloo.py: --reward-fn
+    stepwise_prm:multistep_reward)."""
+    last = [c.strip().split("\n")[-1].rpartition("=")[2].strip() for c in completions]
+    return [float(x == a) for x, a in zip(last, answer)]
+
+
+def multistep_row(rng: random.Random, prompt: str | None = None, p_wrong: float = 0.5) -> dict:
+    """A labelled solution to `prompt` (default: a new problem) in the stepwise format. With probability p_wrong one
+    step's result is off by 1-3; later steps carry on from the wrong value; that step and every later one are
+    labelled False, as in Math-Shepherd."""
+    prompt = prompt or multistep_problem(rng)["prompt"]
+    nums = [int(x) for x in prompt[:-1].split("+")]
+    wrong_at = rng.randrange(len(nums) - 1) if rng.random() < p_wrong else len(nums)
+    completions, total = [], nums[0]
+    for i, x in enumerate(nums[1:]):
+        result = total + x
+        if i == wrong_at:
+            off = rng.randint(1, 3)
+            result += off if result < off or rng.random() < 0.5 else -off
+        completions.append(f"{total}+{x}={result}")
+        total = result
+    return {"prompt": prompt, "completions": completions, "labels": [i < wrong_at for i in range(len(nums) - 1)]}
+
+
+def builtin_rows(rng: random.Random, n: int, held_out: bool) -> list[dict]:
+    """n labelled rows whose problems are (held_out=True) or are not in the held-out tenth of all problems, chosen
+    by a hash of the prompt, so that no evaluation problem is ever trained on."""
+    rows = []
+    while len(rows) < n:
+        row = multistep_row(rng)
+        if (zlib.crc32(row["prompt"].encode()) % 10 == 0) == held_out:
+            rows.append(row)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Loading and checking the model and the data, batches of rows of similar length, the built-in model's warm start
+
+
+def fail(flag: str, value: Any, fix: str) -> NoReturn:
+    """Stop the run with one line that names the flag, its value and the fix (no traceback)."""
+    raise SystemExit(f"error: {flag} {value!r}: {fix}")
+
+
+def load_pretrained(auto_cls, name: str, flag: str, trust_remote_code: bool = False, **kwargs) -> Any:
+    """from_pretrained with a one-line error when the folder or hub id cannot be loaded."""
+    try:
+        return auto_cls.from_pretrained(name, trust_remote_code=trust_remote_code, **kwargs)
+    except (OSError, ValueError) as e:
+        if "trust_remote_code=True" in str(e) and not trust_remote_code:
+            fail(flag, name, "its model code comes with it (auto_map in its config.json), and runs when loaded; pass "
+                             "--trust-remote-code if you trust that code")
+        hint = "no such folder, and" if not os.path.isdir(name) else "the folder exists but"
+        fail(flag, name, f"{hint} it cannot be loaded ({str(e).splitlines()[0][:120]}); give a folder written by "
+                         "save_pretrained or a Hugging Face id (offline runs need a local folder)")
+
+
+def model_context(model) -> int:
+    """The most positions the model takes."""
+    return getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None) or 10**9
+
+
+def load_stepwise(path: str, split: str) -> list[dict]:
+    """Rows (prompt, completions, labels) of a hub dataset or a local json/jsonl/parquet file or folder, checked:
+    any bad row stops the run with one line naming the row and the fix."""
+    kinds = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+    try:
+        if os.path.isfile(path):
+            if Path(path).suffix not in kinds:
+                fail("--dataset", path, f"unknown file type; use one of {sorted(kinds)}")
+            ds = datasets.load_dataset(kinds[Path(path).suffix], data_files=path, split=split)
+        else:
+            ds = datasets.load_dataset(path, split=split)
+    except (OSError, ValueError, datasets.exceptions.DatasetsError) as e:  # OSError: no file, or offline
+        fail("--dataset", path, f"cannot load split {split!r} ({str(e).splitlines()[0][:120]}); check the path, "
+                                "the hub id and --dataset-split/--eval-split (a single file is the split 'train')")
+    missing = [c for c in ("prompt", "completions", "labels") if c not in ds.column_names]
+    if missing:
+        fail("--dataset", path, f"missing column(s) {missing}: stepwise rows need prompt, completions and labels; "
+                                f"it has {ds.column_names}")
+    rows = ds.select_columns(["prompt", "completions", "labels"]).to_list()
+    for i, row in enumerate(rows):
+        where, steps, labels = f"row {i} of split {split!r}", row["completions"] or [], row["labels"] or []
+        if not isinstance(row["prompt"], str) or not all(isinstance(s, str) for s in steps):
+            fail("--dataset", path, f"{where}: the prompt and every completion must be strings")
+        if not steps:
+            fail("--dataset", path, f"{where} has no completions; give each row at least one step, or drop the row")
+        if len(labels) != len(steps):
+            fail("--dataset", path, f"{where} has {len(labels)} labels for {len(steps)} completions; give one "
+                                    "label per step")
+        bad = [v for v in labels if not isinstance(v, bool)]
+        if bad:
+            fail("--dataset", path, f"{where} has the label {bad[0]!r}, which is not a boolean; write each label as "
+                                    "true or false (numbers are not cast)")
+    return rows
+
+
+def load_model(args: Args) -> tuple:
+    """The tokenizer and the model: the built-in one as a tiny causal LM (to warm-start), or --model as a 2-label
+    token classifier (a causal LM gets a fresh head); --step-separator and --max-length checked against them."""
+    if args.model == "builtin":
+        tokenizer = build_tokenizer()
+        model = build_tiny_model(tokenizer)
+    else:
+        tokenizer = load_pretrained(AutoTokenizer, args.model, "--model", args.trust_remote_code)
+        model = load_pretrained(AutoModelForTokenClassification, args.model, "--model", args.trust_remote_code,
+                                num_labels=2)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
+    separator = tokenizer(args.step_separator, add_special_tokens=False).input_ids
+    if not separator or tokenizer.unk_token_id in separator:
+        fail("--step-separator", args.step_separator, f"the tokenizer cannot encode it (ids {separator}); choose a "
+                                                      "separator made of text it knows, such as '\\n'")
+    if args.max_length is not None and args.max_length > model_context(model):
+        fail("--max-length", args.max_length, f"exceeds the model's context of {model_context(model)}; lower it")
+    return tokenizer, model
+
+
+def load_rows(args: Args) -> tuple[list[dict], list[dict], list[list[dict]]]:
+    """Training rows, held-out rows and best-of-N candidates (--best-of-n per held-out problem, for the first 250):
+    the built-in task's, its evaluation problems never trained on and the same for every seed, or --dataset's
+    (no candidates), held out from --dataset-split unless --eval-split is given."""
+    if args.dataset is None:
+        train_rows = builtin_rows(random.Random(args.seed), args.num_train_rows, held_out=False)
+        eval_rng = random.Random(0)
+        eval_rows = builtin_rows(eval_rng, args.num_eval_rows, held_out=True)
+        candidates = [[multistep_row(eval_rng, r["prompt"]) for _ in range(args.best_of_n)] for r in eval_rows[:250]]
+        return train_rows, eval_rows, candidates if args.best_of_n else []
+    train_rows = load_stepwise(args.dataset, args.dataset_split)
+    if args.eval_split:
+        return train_rows, load_stepwise(args.dataset, args.eval_split)[:args.num_eval_rows], []
+    if len(train_rows) <= args.num_eval_rows:
+        fail("--num-eval-rows", args.num_eval_rows, f"holding out that many of the {len(train_rows)} rows leaves "
+                                                    "none to train on; lower it or give --eval-split")
+    return train_rows[:-args.num_eval_rows], train_rows[-args.num_eval_rows:], []
+
+
+def pad_batch(examples: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad tokenized rows: input_ids, attention_mask and labels, each [B, L] (labels -100 on padding)."""
+    lengths = torch.tensor([len(e["input_ids"]) for e in examples])
+    mask = torch.arange(int(lengths.max()))[None] < lengths[:, None]  # [B, L] True on each row's own tokens
+    ids = torch.tensor([t for e in examples for t in e["input_ids"]])  # the rows' tokens, one after another
+    labels = torch.tensor([t for e in examples for t in e["labels"]])
+    return {"input_ids": torch.full(mask.shape, pad_token_id).masked_scatter(mask, ids), "attention_mask": mask.long(),
+            "labels": torch.full(mask.shape, -100).masked_scatter(mask, labels)}
+
+
+def length_grouped_batches(lengths: list[int], batch_size: int, seed: int) -> list[list[int]]:
+    """One epoch of batches of rows of similar length, so that little of each batch is padding: shuffle, sort each
+    window of 50 batches by length, cut it into batches (a window's last partial batch is dropped), shuffle them."""
+    generator = torch.Generator().manual_seed(seed)
+    order, window, batches = torch.randperm(len(lengths), generator=generator).tolist(), 50 * batch_size, []
+    for w in range(0, len(order), window):
+        rows = sorted(order[w:w + window], key=lambda i: lengths[i])
+        batches += [rows[b:b + batch_size] for b in range(0, len(rows) - batch_size + 1, batch_size)]
+    return [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
+
+
+def next_batch(lengths: list[int], state: dict, batch_size: int, seed: int) -> list[int]:
+    """Row indices of the next batch. `state` (the epoch and its batches still to come) is all the position there
+    is, and goes into checkpoints."""
+    if not state["batches"]:
+        state["batches"] = length_grouped_batches(lengths, batch_size, seed + state["epoch"])
+        state["epoch"] += 1
+    return state["batches"].pop()
+
+
+def warm_start(lm, tokenizer, solutions: list[dict], steps: int, lr: float, batch_size: int, seed: int,
+               save_to: Path, rank: int) -> float:
+    """Train a causal LM on solutions (tokenized rows, an EOS appended so that it learns to stop) so that the PRM
+    starts from weights that know the domain; rank 0 saves it to `save_to`, a starting policy for RL on the same
+    task. Every process runs the same steps and gets the same weights. Returns the mean loss over the last tenth of
+    the steps."""
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    examples = [{"input_ids": e["input_ids"] + eos, "labels": e["labels"] + [-100] * len(eos)} for e in solutions]
+    if not examples:
+        fail("--warmup-steps", steps, "no training row has every step correct; give 0")
+    optimizer = torch.optim.AdamW(lm.parameters(), lr=lr)
+    state, losses, device = {"epoch": 0, "batches": []}, [], next(lm.parameters()).device
+    lengths, batch_size = [len(e["input_ids"]) for e in examples], min(batch_size, len(examples))
+    for step in tqdm(range(steps), desc="warm start", disable=rank != 0):
+        optimizer.param_groups[0]["lr"] = lr * (1 - step / steps)
+        batch = pad_batch([examples[i] for i in next_batch(lengths, state, batch_size, seed)], tokenizer.pad_token_id)
+        targets = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)  # [B, L], the LM shifts them
+        loss = lm(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device),
+                  labels=targets.to(device)).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(lm.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    if rank == 0:
+        lm.save_pretrained(save_to)
+        tokenizer.save_pretrained(save_to)
+    tail = losses[-max(1, steps // 10):]
+    return sum(tail) / len(tail)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Processes: autocast, data parallelism (gradient averaging, the NaN guard), metrics over processes
+
+
+def autocast(dtype: str, device: torch.device) -> torch.autocast:
+    """A context that runs forward passes in bf16 when dtype is 'bf16' (backward passes stay outside it)."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16")
+
+
+def world_size() -> int:
+    """Number of processes (1 without torchrun)."""
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+
+def global_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over all processes (identity in a single process)."""
+    if torch.distributed.is_initialized():
+        x = x.clone()
+        torch.distributed.all_reduce(x)
+    return x
+
+
+def sync_gradients(params: list[torch.nn.Parameter]) -> None:
+    """Average gradients over processes, what DistributedDataParallel does after backward (left to FSDP when the
+    parameters are sharded DTensors, whose gradients it has already reduced)."""
+    if not torch.distributed.is_initialized():
+        return
+    grads = [p.grad for p in params if p.grad is not None and not hasattr(p.grad, "placements")]
+    if grads:
+        flat = torch.cat([g.flatten() for g in grads])
+        torch.distributed.all_reduce(flat)
+        flat /= torch.distributed.get_world_size()
+        for g, chunk in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(chunk.view_as(g))
+
+
+def step_or_skip(optimizer, params: list, nonfinite: bool, max_grad_norm: float, skip_nonfinite: bool) -> bool:
+    """Average the gradients over processes, clip them and take the optimizer step, unless a loss (`nonfinite`) or
+    the gradient norm is NaN/inf: then drop the gradients and skip the step, or raise FloatingPointError so that the
+    run stops with its last good checkpoint in place. Returns whether the step was taken."""
+    if not nonfinite:
+        sync_gradients(params)
+        nonfinite = not torch.isfinite(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
+    if nonfinite and not skip_nonfinite:
+        optimizer.zero_grad(set_to_none=True)
+        raise FloatingPointError("the loss or the gradient norm is NaN/inf")
+    if not nonfinite:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return not nonfinite
 
 
 def setup_distributed() -> tuple[int, int, torch.device]:
@@ -520,14 +691,19 @@ def average_metrics(metrics: dict, device: torch.device, counts: tuple[str, ...]
     return {k: v if k in counts else v / world_size() for k, v in zip(metrics, values)}
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# Run records and checkpoints
+
+
 def open_run(args, output_dir: Path, start: int, run_name: str) -> tuple[Path, Any]:
     """Write config.json, cut metrics.jsonl back to the rows before `start` (a resumed run repeats none), and open
     a wandb run when --track is on. Rank 0 only."""
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "config.json").write_text(json.dumps(asdict(args), indent=2))
     path = output_dir / "metrics.jsonl"
-    kept = [r for r in path.read_text().splitlines() if json.loads(r)["iteration"] < start] \
-        if start > 1 and path.exists() else []
+    kept = []
+    if start > 1 and path.exists():
+        kept = [r for r in path.read_text().splitlines() if json.loads(r)["iteration"] < start]
     path.write_text("".join(r + "\n" for r in kept))
     run = None
     if args.track:
@@ -607,172 +783,28 @@ def load_state(folder: Path) -> dict:
                                       "this script wrote")
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# The training loop
+def write_checkpoint(folder: Path, model, tokenizer, optimizer, state: dict, keep: int, rank: int, world: int) -> None:
+    """A checkpoint of the model, the optimizer, every process's random states and the loop's `state`. Every process
+    calls it (gathering is a collective); rank 0 writes."""
+    rngs = [rng_states()] * world
+    if world > 1:
+        torch.distributed.all_gather_object(rngs, rng_states())
+    if rank == 0:
+        save_checkpoint(folder, {"model": model}, {"model": model.state_dict()}, tokenizer,
+                        {**state, "optimizer": optimizer.state_dict(), "rng": rngs}, keep)
 
 
-def main(args: Args) -> None:
-    t0 = time.time()
-    # ---- validate the configuration before anything is loaded
-    rank, world, device = setup_distributed()
-    builtin = args.model == "builtin"
-    if args.batch_size % (world * args.gradient_accumulation_steps):
-        fail("--batch-size", args.batch_size, f"must be divisible by {world} process(es) x "
-                                              f"--gradient-accumulation-steps ({args.gradient_accumulation_steps})")
-    if args.total_steps < 1:
-        fail("--total-steps", args.total_steps, "give at least 1")
-    if args.warmup_steps and not builtin:
-        fail("--warmup-steps", args.warmup_steps, "the warm start is for the built-in model; a pretrained --model "
-                                                  "needs none: leave it out")
-    warmup_steps = (1500 if args.warmup_steps is None else args.warmup_steps) if builtin else 0
-    if args.resume and args.resume != "latest" and args.output_dir is None:
-        args.output_dir = str(Path(args.resume).parent.parent)
-    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
-    output_dir = Path(args.output_dir or f"runs/{run_name}")
-    ckpt = find_checkpoint(args.resume, output_dir) if args.resume else None
-
-    # ---- tokenizer and model (the built-in one starts as a causal LM); the same initial weights in every process
-    random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    if builtin:
-        tokenizer = build_tokenizer()
-        lm = build_tiny_model(tokenizer)
-        context = model_context(lm)
-    else:
-        tokenizer = load_pretrained(AutoTokenizer, args.model, "--model", args.trust_remote_code)
-        model = load_pretrained(AutoModelForTokenClassification, args.model, "--model", args.trust_remote_code,
-                                num_labels=2)
-        context = model_context(model)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
-    separator = tokenizer(args.step_separator, add_special_tokens=False).input_ids
-    if not separator or tokenizer.unk_token_id in separator:
-        fail("--step-separator", args.step_separator, f"the tokenizer cannot encode it (ids {separator}); choose a "
-                                                      "separator made of text it knows, such as '\\n'")
-    if args.max_length is not None and args.max_length > context:
-        fail("--max-length", args.max_length, f"exceeds the model's context of {context}; lower it")
-
-    # ---- data: the built-in task (its evaluation problems never trained on), or a stepwise dataset
-    candidates = []
-    if args.dataset is None:
-        train_rows = builtin_rows(random.Random(args.seed), args.num_train_rows, held_out=False)
-        eval_rng = random.Random(0)  # the same held-out rows and best-of-N candidates for every seed
-        eval_rows = builtin_rows(eval_rng, args.num_eval_rows, held_out=True)
-        candidates = [[multistep_row(eval_rng, r["prompt"]) for _ in range(args.best_of_n)] for r in eval_rows[:250]] \
-            if args.best_of_n else []
-    else:
-        train_rows = load_stepwise(args.dataset, args.dataset_split)
-        if args.eval_split:
-            eval_rows = load_stepwise(args.dataset, args.eval_split)[:args.num_eval_rows]
-        elif len(train_rows) <= args.num_eval_rows:
-            fail("--num-eval-rows", args.num_eval_rows, f"holding out that many of the {len(train_rows)} rows leaves "
-                                                        "none to train on; lower it or give --eval-split")
-        else:
-            train_rows, eval_rows = train_rows[:-args.num_eval_rows], train_rows[-args.num_eval_rows:]
-    # 5. Tokenize: [BOS] prompt step sep step sep ..., each step's label on its last token, -100 elsewhere.
-    tokenize = lambda row, last_only=False: tokenize_example(  # noqa: E731
-        tokenizer, **row, step_separator=args.step_separator, max_length=args.max_length or context,
-        max_completion_length=args.max_completion_length, train_on_last_step_only=last_only)
-    labelled = lambda examples: [e for e in examples if max(e["labels"]) >= 0]  # noqa: E731 (truncation can cut all)
-    train = labelled([tokenize(r, args.train_on_last_step_only) for r in train_rows])
-    evals = labelled([tokenize(r) for r in eval_rows])
-    if len(train) < args.batch_size or len(evals) < world:
-        fail("--batch-size", args.batch_size, f"{len(train)} training and {len(evals)} held-out rows keep a label "
-                                              "after truncation; give more data, or raise --max-length")
-
-    # ---- the token classifier: the built-in LM after its warm start under a fresh 2-label head, or --model
-    lr = args.learning_rate or (1e-3 if builtin else 1e-5)
-    warmup_loss = None
-    if builtin:
-        # 6. Built-in model: a causal-LM warm start on the all-correct solutions, then a fresh 2-label head.
-        if warmup_steps and ckpt is None:  # every process runs the same warm start and gets the same weights
-            eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []  # so that the LM stops
-            solutions = [{"input_ids": e["input_ids"] + eos, "labels": e["labels"] + [-100] * len(eos)}
-                         for e in (tokenize(r) for r in train_rows if all(r["labels"]))]
-            if not solutions:
-                fail("--warmup-steps", warmup_steps, "no training row has every step correct; give 0")
-            warmup_loss = warm_start(lm.to(device), solutions, warmup_steps, lr, min(args.batch_size, len(solutions)),
-                                     tokenizer.pad_token_id, args.seed, progress=rank == 0)
-            if rank == 0:  # a causal LM that writes solutions: a starting policy for RL on the same task
-                lm.save_pretrained(output_dir / "warmup_lm")
-                tokenizer.save_pretrained(output_dir / "warmup_lm")
-        config = copy.deepcopy(lm.config)
-        config.num_labels = 2
-        model = AutoModelForTokenClassification.from_config(config)
-        model.load_state_dict(lm.state_dict(), strict=False)  # all but the head (score.*)
-    model.config.id2label, model.config.label2id = {0: "wrong", 1: "correct"}, {"wrong": 0, "correct": 1}
-    model.config.pad_token_id = tokenizer.pad_token_id
-    if ckpt is not None:
-        model.load_state_dict(AutoModelForTokenClassification.from_pretrained(ckpt / "model").state_dict())
-    model.to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-
-    # ---- seeding per process (dropout differs between ranks), or the saved state of a resumed run
-    random.seed(args.seed + rank)
-    torch.manual_seed(args.seed + rank)
-    start, elapsed, data_state = 1, time.time() - t0, {"epoch": 0, "batches": []}
-    f1 = None  # the last evaluation's wrong-step F1, for the progress bar
-    if ckpt is not None:
-        state = load_state(ckpt)
-        optimizer.load_state_dict(state["optimizer"])
-        set_rng_states(state["rng"][rank % len(state["rng"])])
-        data_state, run_name, f1 = state["data_state"], state["run_name"], state["f1"]
-        start, elapsed = state["iteration"] + 1, state["elapsed"]
-    metrics_path, run = open_run(args, output_dir, start, run_name) if rank == 0 else (None, None)
-    lengths, local = [len(e["input_ids"]) for e in train], args.batch_size // world
-
-    # 7. Held-out evaluation: step accuracy, wrong-step precision/recall/F1, solution accuracy, best-of-N.
-    def evaluation() -> dict:
-        with autocast(args.dtype, device):
-            metrics = evaluate(model, evals[rank::world], tokenizer.pad_token_id, device)
-            if candidates:
-                metrics.update(best_of_n(model, tokenizer, candidates[rank::world], args.step_separator, device))
-        return metrics
-
-    t0 = time.time() - elapsed
-    if start == 1:
-        warmup = {"warmup/loss": warmup_loss} if warmup_loss is not None else {}
-        row = {"iteration": 0, "elapsed_s": round(elapsed, 3), **warmup, **evaluation()}
-        log_row(metrics_path, run, row)
-        f1 = row["eval/wrong_step_f1"]
-    progress = tqdm(range(start, args.total_steps + 1), initial=start - 1, total=args.total_steps, desc="prm",
-                    disable=rank != 0)
-    for iteration in progress:
-        # 8. Training: anneal the learning rate, a batch of rows of similar length, this process's share, prm_step.
-        if args.anneal_lr:
-            optimizer.param_groups[0]["lr"] = lr * (1 - (iteration - 1) / args.total_steps)
-        rows = next_batch(lengths, data_state, args.batch_size, args.seed)[rank * local:(rank + 1) * local]
-        try:
-            metrics = prm_step(model, optimizer, [train[i] for i in rows], pad_token_id=tokenizer.pad_token_id,
-                               gradient_accumulation_steps=args.gradient_accumulation_steps,
-                               max_grad_norm=args.max_grad_norm, skip_nonfinite=args.skip_nonfinite, dtype=args.dtype)
-        except FloatingPointError as e:
-            fail("--skip-nonfinite", False, f"{e} at step {iteration}: the run stops here, its last good checkpoint "
-                 "kept; lower --learning-rate, check the data, or pass --skip-nonfinite")
-        row = {"iteration": iteration, "elapsed_s": round(time.time() - t0, 3), "lr": optimizer.param_groups[0]["lr"],
-               **average_metrics(metrics, device, counts=("train/tokens",))}
-        if iteration % args.eval_every == 0 or iteration == args.total_steps:
-            row.update(evaluation())
-        log_row(metrics_path, run, row)
-        f1 = row.get("eval/wrong_step_f1", f1)
-        progress.set_postfix(loss=f"{row['train/loss']:.3f}", f1=f"{f1:.3f}")
-        # 9. Checkpoint: model, optimizer, random states and data position, written whole or not at all.
-        if args.save_every and iteration % args.save_every == 0:
-            rngs = [rng_states()] * world
-            if world > 1:
-                torch.distributed.all_gather_object(rngs, rng_states())
-            state = {"iteration": iteration, "elapsed": time.time() - t0, "run_name": run_name,
-                     "optimizer": optimizer.state_dict(), "rng": rngs, "data_state": data_state, "f1": f1}
-            if rank == 0:
-                save_checkpoint(output_dir / "checkpoints" / f"iter_{iteration:06d}", {"model": model},
-                                {"model": model.state_dict()}, tokenizer, state, args.keep_checkpoints)
-
+def close_run(args: Args, model, tokenizer, output_dir: Path, metrics_path: Path | None, run, rank: int) -> None:
+    """Save the final model and print the last evaluation (rank 0), close wandb, and leave the process group once
+    every process is done."""
     if rank == 0:
         model.save_pretrained(output_dir / "model")
         tokenizer.save_pretrained(output_dir / "model")
         final = json.loads(metrics_path.read_text().splitlines()[-1])
-        bon = f", best-of-{args.best_of_n} {final['eval/best_of_n_accuracy']:.3f} vs random pick " \
-              f"{final['eval/random_pick_accuracy']:.3f}" if candidates else ""
+        bon = ""
+        if "eval/best_of_n_accuracy" in final:
+            bon = (f", best-of-{args.best_of_n} {final['eval/best_of_n_accuracy']:.3f} vs random pick "
+                   f"{final['eval/random_pick_accuracy']:.3f}")
         print(f"final held-out step accuracy {final['eval/step_accuracy']:.3f}, wrong-step F1 "
               f"{final['eval/wrong_step_f1']:.3f}, solution accuracy {final['eval/solution_accuracy']:.3f}{bon}, "
               f"after {final['iteration']} steps in {final['elapsed_s']:.0f}s; model in {output_dir / 'model'}")
