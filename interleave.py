@@ -14,13 +14,15 @@ The phases call the step functions of the other scripts (`ppo_step`, `rloo_step`
 `sft_step`, the schedule and the loop.
 """
 
+import contextlib
 import copy
 import json
 import os
 import random
+import re
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -39,19 +41,13 @@ PHASES = ("sft", "ppo", "rloo", "prm")
 DEFAULT_LR_BUILTIN = {"sft": 1e-3, "ppo": 1e-3, "rloo": 1e-3, "prm": 3e-3}  # the tiny model, from random weights
 DEFAULT_LR_PRETRAINED = {"sft": 1e-5, "ppo": 3e-6, "rloo": 3e-6, "prm": 1e-5}  # as ppo.py, rloo.py, stepwise_prm.py
 # what each phase logs (under its own name: sft/loss, ppo/objective/scores, ...); tests check these against the steps
-LOGGED = {
-    "sft": ["loss", "token_accuracy", "nonfinite_skipped"],
-    "ppo": ["objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
-            "objective/scores", "policy/approxkl_avg", "policy/clipfrac_avg", "policy/entropy_avg", "loss/policy_avg",
-            "loss/value_avg", "val/clipfrac_avg", "val/ratio", "val/ratio_var", "val/num_eos_tokens",
-            "val/response_length", "loss/nonfinite_skipped"],
-    "rloo": ["objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
-             "objective/scores", "policy/approxkl_avg", "policy/clipfrac_avg", "policy/entropy_avg",
-             "loss/policy_avg", "loss/kl_avg", "val/ratio", "val/ratio_var", "val/num_eos_tokens",
-             "val/response_length", "rloo/baseline_avg", "rloo/advantage_std", "rloo/frac_equal_groups",
-             "loss/nonfinite_skipped"],
-    "prm": ["train/loss", "train/step_accuracy", "train/pad_fraction", "train/tokens", "train/nonfinite_skipped"],
-}
+RL_LOGGED = ["objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
+             "objective/scores", "policy/approxkl_avg", "policy/clipfrac_avg", "policy/entropy_avg", "loss/policy_avg",
+             "val/ratio", "val/ratio_var", "val/num_eos_tokens", "val/response_length", "loss/nonfinite_skipped"]
+LOGGED = {"sft": ["loss", "token_accuracy", "nonfinite_skipped"],
+          "ppo": [*RL_LOGGED, "loss/value_avg", "val/clipfrac_avg"],
+          "rloo": [*RL_LOGGED, "loss/kl_avg", "rloo/baseline_avg", "rloo/advantage_std", "rloo/frac_equal_groups"],
+          "prm": ["train/loss", "train/step_accuracy", "train/pad_fraction", "train/tokens", "train/nonfinite_skipped"]}
 EVAL_METRICS = ["task/accuracy", "eval/scores"]
 COUNTS = ("val/num_eos_tokens", "train/tokens")  # per-process counts: summed over processes, the other metrics averaged
 
@@ -185,8 +181,8 @@ RECIPES = {
     "rl-with-sft-on-failures": ("RLOO, and every third step SFT on the prompts RLOO failed (ReLIFT-style)",
                                 Args(phases=("rloo", "sft"), rloo=RLOOPhase(turn=Turn(steps=2)),
                                      sft=SFTPhase(on_failures=True))),
-    "weighted": ("a seeded random phase each step: SFT 1 : RLOO 2", Args(schedule="weighted",
-                                                                         rloo=RLOOPhase(turn=Turn(weight=2.0)))),
+    "weighted": ("a seeded random phase each step: SFT 1 : RLOO 2",
+                 Args(schedule="weighted", rloo=RLOOPhase(turn=Turn(weight=2.0)))),
     "with-prm": ("SFT, RLOO and a process reward model trained beside the policy, in turn",
                  Args(phases=("sft", "rloo", "prm"))),
 }
@@ -224,68 +220,18 @@ def schedule(args: Args, step: int, state: dict, recent: dict[str, float]) -> tu
     return args.phases[index], {"index": index, "steps": steps + 1}
 
 
-def check_args(args: Args) -> None:
-    """Validate the schedule before any model is loaded; one line per problem. The number of processes comes from
-    torchrun's WORLD_SIZE, as the process group does not exist yet."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    unknown = [p for p in args.phases if p not in PHASES]
-    if unknown or not args.phases or len(set(args.phases)) != len(args.phases):
-        fail("--phases", list(args.phases), f"name each phase once, from {list(PHASES)}")
-    for p in args.phases:
-        turn = getattr(args, p).turn
-        if turn.steps < 1:
-            fail(f"--{p}.steps", turn.steps, "steps per turn must be positive")
-        if turn.max_steps < 0:
-            fail(f"--{p}.max-steps", turn.max_steps, "a step budget must be positive, or 0 for none")
-        if turn.batch_size < 1 or turn.batch_size % world:
-            fail(f"--{p}.batch-size", turn.batch_size, f"must be positive and divisible by {world} process(es)")
-        if turn.weight <= 0 and args.schedule == "weighted":
-            fail(f"--{p}.weight", turn.weight, "weights must be positive, or the phase never runs")
-        if turn.until:
-            try:
-                name, _, _ = parse_condition(turn.until)
-            except ValueError:
-                fail(f"--{p}.until", turn.until, "write it as metric<value or metric>value, e.g. sft/loss<0.05")
-            known = [f"{p}/{m}" for m in LOGGED[p]] + EVAL_METRICS
-            if name not in known:
-                fail(f"--{p}.until", turn.until, f"phase {p} does not log {name}; it logs {known}")
-    if args.schedule == "transitions":
-        for p in args.phases[:-1]:
-            if not (getattr(args, p).turn.until or getattr(args, p).turn.max_steps):
-                later = args.phases[args.phases.index(p) + 1:]
-                fail(f"--{p}.until", None, f"phase {p} never ends, so {list(later)} can never run; give --{p}.until "
-                                            f"or --{p}.max-steps")
-    if args.sft.on_failures and not {"ppo", "rloo"} & set(args.phases):
-        fail("--sft.on-failures", True, "needs an RL phase (ppo or rloo) whose failures it trains on")
-    for p in ("ppo", "rloo"):
-        if p in args.phases:
-            ppo.check_task(getattr(args, p).task)
-    if "rloo" in args.phases:
-        try:
-            kl_estimator_for(args.rloo.hp)
-        except ValueError as e:
-            fail("--rloo.kl-estimator", args.rloo.hp.kl_estimator, str(e))
-    if "rloo" in args.phases and args.rloo.turn.batch_size % (args.rloo.hp.rloo_k * world):
-        fail("--rloo.batch-size", args.rloo.turn.batch_size, f"must be divisible by --rloo.rloo-k "
-             f"({args.rloo.hp.rloo_k}) x {world} process(es): each process samples whole groups of k")
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # Supervised fine-tuning
 
 
 def sft_batch(tokenizer, prompts: list, completions: list[str]) -> dict[str, torch.Tensor]:
     """Right-padded prompt + completion + EOS; labels are -100 on the prompt and on padding. All [B, L]."""
-    seqs, labels = [], []
+    examples = []
     for p, c in zip(prompts, completions):
         prompt_ids = ppo.render_prompt(tokenizer, p)
         completion_ids = tokenizer(c, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
-        seqs.append(prompt_ids + completion_ids)
-        labels.append([-100] * len(prompt_ids) + completion_ids)
-    width = max(map(len, seqs))
-    input_ids = torch.tensor([s + [tokenizer.pad_token_id] * (width - len(s)) for s in seqs])
-    return {"input_ids": input_ids, "labels": torch.tensor([x + [-100] * (width - len(x)) for x in labels]),
-            "attention_mask": torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])}
+        examples.append({"input_ids": prompt_ids + completion_ids, "labels": [-100] * len(prompt_ids) + completion_ids})
+    return stepwise_prm.pad_batch(examples, tokenizer.pad_token_id)
 
 
 def sft_step(policy, optimizer, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor, *,
@@ -310,15 +256,15 @@ def sft_step(policy, optimizer, input_ids: torch.Tensor, attention_mask: torch.T
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The loop
+# The loop: one step is the numbered steps below. main() calls functions defined after it (the phases' steps, the
+# loaders and checks): Python looks names up when a call runs.
 
 
 def main(args: Args) -> None:
     # ---- validate the configuration before anything is loaded
-    check_args(args)
+    builtin = check_args(args)
     rank, world, device = ppo.setup_distributed()
     rl = [p for p in args.phases if p in ("ppo", "rloo")]
-    builtin = not rl or all(ppo.check_task(getattr(args, p).task) for p in rl)
     args.gen.max_new_tokens = args.gen.max_new_tokens or (4 if builtin else 64)
     if args.resume and args.resume != "latest" and args.output_dir is None:
         args.output_dir = str(Path(args.resume).parent.parent)
@@ -326,60 +272,44 @@ def main(args: Args) -> None:
     output_dir = Path(args.output_dir or f"runs/{run_name}")
     ckpt = ppo.find_checkpoint(args.resume, output_dir) if args.resume else None
 
-    # ---- models: the shared policy, its frozen reference, a value model for PPO, a PRM beside them
+    # ---- models: the shared policy, its frozen reference, a value model for PPO, a PRM beside them; each phase's data
     random.seed(args.seed)
     torch.manual_seed(args.seed)
     tokenizer, policy = ppo.load_policy(args.model, args.trust_remote_code)
     models = {"policy": policy}
     ref_policy = ppo.disable_dropout(copy.deepcopy(policy)).eval().requires_grad_(False)
     # 1. Models: the value model (for PPO) and the PRM start from the policy's weights under fresh heads.
-    if "ppo" in args.phases:
-        config = copy.deepcopy(policy.config)
-        config.num_labels = 1
-        models["value"] = AutoModelForTokenClassification.from_config(config)
-        models["value"].load_state_dict(policy.state_dict(), strict=False)
-    if "prm" in args.phases:  # the policy's initial weights with a fresh two-label head, and the same tokenizer
-        config = copy.deepcopy(policy.config)
-        config.num_labels = 2
-        models["prm"] = AutoModelForTokenClassification.from_config(config)
-        models["prm"].load_state_dict(policy.state_dict(), strict=False)
+    for name, phase, num_labels in (("value", "ppo", 1), ("prm", "prm", 2)):
+        if phase in args.phases:
+            config = copy.deepcopy(policy.config)
+            config.num_labels = num_labels
+            models[name] = AutoModelForTokenClassification.from_config(config)
+            models[name].load_state_dict(policy.state_dict(), strict=False)
     context = ppo.model_context(policy)
-    tasks = {p: ppo.load_task(getattr(args, p).task, tokenizer, context, args.gen.max_new_tokens,
-                              args.trust_remote_code) for p in rl}
-    eval_task = tasks[rl[0]] if rl else ppo.load_task(TaskArgs(), tokenizer, context, args.gen.max_new_tokens)
-    if args.sft.dataset:
-        demos = ppo.load_prompt_dataset(args.sft.dataset, args.sft.dataset_split, args.sft.prompt_column)
-        if args.sft.completion_column not in demos.column_names:
-            fail("--sft.completion-column", args.sft.completion_column, f"the dataset has {demos.column_names}")
-    sft_source = {"source": demos if args.sft.dataset else ppo.addition_prompt, "args": TaskArgs()}
-    for p in rl if args.sft.on_failures else []:
-        if args.sft.completion_column not in tasks[p]["eval_rows"][0]:
-            fail("--sft.completion-column", args.sft.completion_column, f"the {p} phase's prompt rows have no such "
-                 f"column ({sorted(tasks[p]['eval_rows'][0])}), so its failures have no demonstrations")
-    if "prm" in args.phases:
-        prm_rows = stepwise_prm.load_stepwise(args.prm.dataset, args.prm.dataset_split) if args.prm.dataset \
-            else stepwise_prm.builtin_rows(random.Random(args.seed), 4096, held_out=False)
-        prm_examples = [stepwise_prm.tokenize_example(tokenizer, r["prompt"], r["completions"], r["labels"],
-                                                      args.prm.step_separator) for r in prm_rows]
+    sources = {p: load_phase(args, p, tokenizer, context) for p in args.phases}
+    eval_task = sources[rl[0]] if rl else ppo.load_task(TaskArgs(), tokenizer, context, args.gen.max_new_tokens)
     if ckpt is not None:
         for name, model in models.items():
             cls = AutoModelForCausalLM if name == "policy" else AutoModelForTokenClassification
             model.load_state_dict(cls.from_pretrained(ckpt / name).state_dict())
     if args.fsdp and not torch.distributed.is_initialized():
         fail("--fsdp", True, "FSDP shards over processes: launch with torchrun --nproc_per_node N")
-    for model in [*models.values(), ref_policy, *[t["reward_model"] for t in tasks.values() if t["reward_model"]]]:
+    for model in [*models.values(), ref_policy, *[sources[p].reward_model for p in rl if sources[p].reward_model]]:
         ppo.disable_dropout(model.to(device))
-        ppo.shard(model, ppo.init_device_mesh(device.type, (world,))) if args.fsdp else None
+        if args.fsdp:
+            ppo.shard(model, ppo.init_device_mesh(device.type, (world,)))
 
     # ---- optimizers: the policy's (shared, or one per phase) and the PRM's own
     def adamw(*mods):
+        """AdamW over the modules' parameters (each step sets its phase's learning rate)."""
         return torch.optim.AdamW([p for m in mods for p in m.parameters()], lr=1e-3, eps=1e-5)
 
     defaults = DEFAULT_LR_BUILTIN if args.model == "builtin" else DEFAULT_LR_PRETRAINED
     lrs = {p: getattr(args, p).turn.learning_rate or defaults[p] for p in args.phases}
     # 2. One AdamW for the policy's phases (each step sets its phase's learning rate), or one per phase.
-    shared = adamw(policy, *([models["value"]] if "value" in models else []))
-    optimizers = {p: shared if args.shared_optimizer else adamw(policy, *([models["value"]] if p == "ppo" else []))
+    value = [models["value"]] if "value" in models else []
+    shared = adamw(policy, *value)
+    optimizers = {p: shared if args.shared_optimizer else adamw(policy, *(value if p == "ppo" else []))
                   for p in args.phases if p != "prm"}
     if "prm" in args.phases:
         optimizers["prm"] = adamw(models["prm"])
@@ -404,7 +334,9 @@ def main(args: Args) -> None:
         print(ppo.off_policy_note(args.gen))
 
     def evaluate() -> tuple[dict, list]:
-        return ppo.evaluate(policy, tokenizer, eval_task, greedy, args.gen.stop_strings, rank, world)
+        """Greedy decoding on the evaluation prompts (the first RL phase's, else the built-in task's)."""
+        with phase_flags(rl[0] if rl else "eval"):
+            return ppo.evaluate(policy, tokenizer, eval_task, greedy, args.gen.stop_strings, rank, world)
 
     if start == 0:
         metrics, samples = evaluate()
@@ -417,65 +349,32 @@ def main(args: Args) -> None:
     for step in progress:
         # 3. The schedule picks this step's phase; the phase's learning rate, annealed over --total-steps.
         phase, sched = schedule(args, step, sched, recent)
-        cfg = getattr(args, phase)
-        local = cfg.turn.batch_size // world
         for group in optimizers[phase].param_groups:
             group["lr"] = lrs[phase] * ((1 - (step - 1) / args.total_steps) if args.anneal_lr else 1)
-        # 4. SFT: demonstrations, the RL phases' failures first when --sft.on-failures
-        if phase == "sft":
-            rows = ppo.draw_rows(sft_source, data["sft"], cfg.turn.batch_size, args.seed)
-            rows = rows[rank * local:(rank + 1) * local]
-            if cfg.on_failures:  # this process's own failures replace the first demonstrations
-                rows, failures = failures[:local] + rows[len(failures[:local]):], failures[local:]
-            batch = sft_batch(tokenizer, [r["prompt"] for r in rows], [str(r[cfg.completion_column]) for r in rows])
-            try:
-                metrics = sft_step(policy, optimizers["sft"], **batch, max_grad_norm=cfg.max_grad_norm,
-                                   skip_nonfinite=cfg.skip_nonfinite)
-            except FloatingPointError as e:
-                fail("--sft.skip-nonfinite", False, f"{e} at step {step}: the run stops here, its last good "
-                     "checkpoint kept; lower the learning rate, or pass the flag")
-        # 5. RL: a rollout on the phase's own prompts and rewards, then ppo_step or rloo_step
-        elif phase in ("ppo", "rloo"):
-            k = cfg.hp.rloo_k if phase == "rloo" else 1
-            prompts = ppo.draw_rows(tasks[phase], data[phase], cfg.turn.batch_size // k, args.seed)
-            rows = [r for r in prompts[rank * local // k:(rank + 1) * local // k] for _ in range(k)]
-            with ppo.autocast(cfg.hp.dtype, device):
-                out = ppo.rollout(policy, tokenizer, rows, samplers[phase], args.gen.stop_strings, tasks[phase])
-            if args.sft.on_failures:
-                failed = {i // k: rows[i] for i in range(len(rows))
-                          if out["scores"][i] < tasks[phase]["args"].success_threshold}
-                failures = (failures + list(failed.values()))[-1024:]
-            common = dict(hp=cfg.hp, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-            if phase == "ppo":  # a PRM's step scores go in per token, as in ppo.py, or per response, as in rloo.py
-                rewards = ppo.token_rewards(out["scores"], out["masks"], out["process"], cfg.task.prm_weight)
+        # One step of the phase (steps 4 to 6 below main), on this process's share of the phase's batch.
+        try:
+            if phase == "sft":
+                metrics = sft_phase_step(args, policy, optimizers["sft"], tokenizer, sources["sft"], data["sft"],
+                                         failures, rank, world)
+            elif phase == "prm":
+                metrics = prm_phase_step(args, models["prm"], optimizers["prm"], tokenizer, sources["prm"], step,
+                                         rank, world)
             else:
-                rewards = sequence_rewards(out["scores"], out["process"], cfg.task.prm_aggregate, cfg.task.prm_weight)
-            batch = (out["queries"], out["responses"], rewards, out["masks"])
-            try:
-                metrics = ppo_step(policy, models["value"], ref_policy, optimizers["ppo"], *batch, **common) \
-                    if phase == "ppo" else rloo_step(policy, ref_policy, optimizers["rloo"], *batch, **common)
-            except FloatingPointError as e:
-                fail(f"--{phase}.skip-nonfinite", False, f"{e} at step {step}: the run stops here, its last good "
-                     "checkpoint kept; lower the learning rate, check the rewards, or pass the flag")
-        # 6. PRM: a random batch of stepwise rows, sorted by length, for the process reward model
-        else:
-            order = torch.randperm(len(prm_examples), generator=torch.Generator().manual_seed(args.seed + step))
-            batch = [prm_examples[i] for i in order[:cfg.turn.batch_size].tolist()][rank * local:(rank + 1) * local]
-            try:
-                metrics = prm_step(models["prm"], optimizers["prm"], sorted(batch, key=lambda e: len(e["input_ids"])),
-                                   pad_token_id=tokenizer.pad_token_id, skip_nonfinite=cfg.skip_nonfinite)
-            except FloatingPointError as e:
-                fail("--prm.skip-nonfinite", False, f"{e} at step {step}: the run stops here, its last good "
-                     "checkpoint kept; lower --prm.learning-rate, check the data, or pass the flag")
+                metrics = rl_phase_step(args, phase, models, ref_policy, optimizers[phase], tokenizer, sources[phase],
+                                        samplers[phase], data[phase], failures, rank, world)
+        except FloatingPointError as e:
+            check = "the rewards" if phase in rl else "the data"
+            fail(f"--{phase}.skip-nonfinite", False, f"{e} at step {step}: the run stops here, its last good "
+                 f"checkpoint kept; lower --{phase}.learning-rate, check {check}, or pass the flag")
         # 7. Log: metrics under the phase's name (sft/loss, rloo/objective/kl, ...); evaluation every --eval-every.
         row = {"iteration": step, "phase": phase, "elapsed_s": round(time.time() - t0, 3),
                "lr": optimizers[phase].param_groups[0]["lr"],
-               **{f"{phase}/{k_}": v for k_, v in ppo.average_metrics(metrics, device, COUNTS).items()}}
+               **{f"{phase}/{k}": v for k, v in ppo.average_metrics(metrics, device, COUNTS).items()}}
         samples = None
         if step % args.eval_every == 0 or step == args.total_steps:
             eval_metrics, samples = evaluate()
             row.update(eval_metrics)
-        recent.update({k_: v for k_, v in row.items() if isinstance(v, float)})
+        recent.update({k: v for k, v in row.items() if isinstance(v, float)})
         ppo.log_row(metrics_path, run, row, samples)
         progress.set_postfix(phase=phase, acc=f"{recent['task/accuracy']:.3f}")  # the last evaluation's
         # 8. Checkpoint: models, optimizers, random states, schedule state, failures and data positions.
@@ -504,6 +403,147 @@ def main(args: Args) -> None:
     if torch.distributed.is_initialized():
         torch.distributed.barrier()  # no process tears the group down while another still uses it (saving)
         torch.distributed.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# One step of each phase, on this process's share of the phase's global batch
+
+
+def sft_phase_step(args: Args, policy, optimizer, tokenizer, demos: ppo.Task, data: dict, failures: list, rank: int,
+                   world: int) -> dict[str, float]:
+    """The SFT phase's step: demonstrations (and the RL phases' failures), then one sft_step."""
+    # 4. SFT: the next demonstrations; with --sft.on-failures, this process's oldest failures replace the first.
+    local = args.sft.turn.batch_size // world
+    rows = ppo.draw_rows(demos, data, args.sft.turn.batch_size, args.seed)[rank * local:(rank + 1) * local]
+    if args.sft.on_failures:
+        rows = failures[:local] + rows[len(failures[:local]):]
+        del failures[:local]
+    batch = sft_batch(tokenizer, [r["prompt"] for r in rows], [str(r[args.sft.completion_column]) for r in rows])
+    return sft_step(policy, optimizer, **batch, max_grad_norm=args.sft.max_grad_norm,
+                    skip_nonfinite=args.sft.skip_nonfinite)
+
+
+def rl_phase_step(args: Args, phase: str, models: dict, ref_policy, optimizer, tokenizer, task: ppo.Task, sample,
+                  data: dict, failures: list, rank: int, world: int) -> dict[str, float]:
+    """A PPO or RLOO phase's step: a rollout on the phase's own prompts and rewards, then ppo_step or rloo_step."""
+    # 5. RL: k samples of each next prompt (k = 1 for PPO), scored; prompts with a failure join the failure buffer.
+    cfg, policy = getattr(args, phase), models["policy"]
+    k = cfg.hp.rloo_k if phase == "rloo" else 1
+    local = cfg.turn.batch_size // world // k  # prompts of this process
+    prompts = ppo.draw_rows(task, data, cfg.turn.batch_size // k, args.seed)
+    rows = [r for r in prompts[rank * local:(rank + 1) * local] for _ in range(k)]
+    with ppo.autocast(cfg.hp.dtype, next(policy.parameters()).device), phase_flags(phase):
+        out = ppo.rollout(policy, tokenizer, rows, sample, args.gen.stop_strings, task)
+    if args.sft.on_failures:  # each prompt once, however many of its k samples failed; the buffer keeps the newest 1024
+        failed = {i // k: rows[i] for i in range(len(rows)) if out["scores"][i] < task.args.success_threshold}
+        failures.extend(failed.values())
+        del failures[:-1024]
+    common = {"hp": cfg.hp, "pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
+    if phase == "ppo":  # a PRM's step scores go in per token, as in ppo.py, or per response, as in rloo.py
+        rewards = ppo.token_rewards(out["scores"], out["masks"], out["process"], cfg.task.prm_weight)
+        return ppo_step(policy, models["value"], ref_policy, optimizer, out["queries"], out["responses"], rewards,
+                        out["masks"], **common)
+    rewards = sequence_rewards(out["scores"], out["process"], cfg.hp.prm_aggregate, cfg.task.prm_weight)
+    return rloo_step(policy, ref_policy, optimizer, out["queries"], out["responses"], rewards, out["masks"], **common)
+
+
+def prm_phase_step(args: Args, prm, optimizer, tokenizer, examples: list[dict], step: int, rank: int,
+                   world: int) -> dict[str, float]:
+    """The PRM phase's step: this process's share of a batch of stepwise rows, then one prm_step on the PRM."""
+    # 6. PRM: a random batch of stepwise rows (seeded by --seed + step), sorted by length so that it pads little.
+    local = args.prm.turn.batch_size // world
+    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(args.seed + step))
+    batch = [examples[i] for i in order[:args.prm.turn.batch_size].tolist()][rank * local:(rank + 1) * local]
+    return prm_step(prm, optimizer, sorted(batch, key=lambda e: len(e["input_ids"])),
+                    pad_token_id=tokenizer.pad_token_id, skip_nonfinite=args.prm.skip_nonfinite)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Loading each phase's data and checking the configuration, with ppo.py's errors under this script's flag names
+
+
+@contextlib.contextmanager
+def phase_flags(phase: str):
+    """Rename the flags in a one-line error of ppo.py's or stepwise_prm.py's helpers as this script spells them:
+    their --reward-fn is --rloo.reward-fn here (every flag of TaskArgs; --max-new-tokens and --model stay)."""
+    try:
+        yield
+    except SystemExit as e:
+        names = "|".join(f.name.replace("_", "-") for f in fields(TaskArgs))
+        raise SystemExit(re.sub(rf"--({names})(?![\w-])", rf"--{phase}.\1", str(e))) from None
+
+
+def load_phase(args: Args, phase: str, tokenizer, context: int) -> ppo.Task | list[dict]:
+    """What a phase trains on: an RL phase's task (prompts and rewards), SFT's demonstrations (a task whose rows hold
+    --sft.completion-column), or the PRM's tokenized stepwise rows."""
+    with phase_flags(phase):
+        if phase == "sft" and args.sft.dataset:
+            demos = ppo.load_prompt_dataset(args.sft.dataset, args.sft.dataset_split, args.sft.prompt_column)
+            if args.sft.completion_column not in demos.column_names:
+                fail("--sft.completion-column", args.sft.completion_column, f"the dataset has {demos.column_names}")
+            return ppo.Task(TaskArgs(), demos, [])
+        if phase == "sft":
+            return ppo.Task(TaskArgs(), ppo.addition_prompt, [])
+        if phase == "prm":
+            if args.prm.dataset:
+                rows = stepwise_prm.load_stepwise(args.prm.dataset, args.prm.dataset_split)
+            else:
+                rows = stepwise_prm.builtin_rows(random.Random(args.seed), 4096, held_out=False)
+            return [stepwise_prm.tokenize_example(tokenizer, r["prompt"], r["completions"], r["labels"],
+                                                  args.prm.step_separator) for r in rows]
+        task = ppo.load_task(getattr(args, phase).task, tokenizer, context, args.gen.max_new_tokens,
+                             args.trust_remote_code)
+    if args.sft.on_failures and args.sft.completion_column not in task.eval_rows[0]:
+        fail("--sft.completion-column", args.sft.completion_column, f"the {phase} phase's prompt rows have no such "
+             f"column ({sorted(task.eval_rows[0])}), so its failures have no demonstrations")
+    return task
+
+
+def check_args(args: Args) -> bool:
+    """Validate the schedule and the phases before any model is loaded, one line per problem; True when every RL
+    phase takes the built-in task's prompts. The number of processes comes from torchrun's WORLD_SIZE, as the
+    process group does not exist yet."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    unknown = [p for p in args.phases if p not in PHASES]
+    if unknown or not args.phases or len(set(args.phases)) != len(args.phases):
+        fail("--phases", list(args.phases), f"name each phase once, from {list(PHASES)}")
+    for p in args.phases:
+        turn = getattr(args, p).turn
+        if turn.steps < 1:
+            fail(f"--{p}.steps", turn.steps, "steps per turn must be positive")
+        if turn.max_steps < 0:
+            fail(f"--{p}.max-steps", turn.max_steps, "a step budget must be positive, or 0 for none")
+        if turn.batch_size < 1 or turn.batch_size % world:
+            fail(f"--{p}.batch-size", turn.batch_size, f"must be positive and divisible by {world} process(es)")
+        if turn.weight <= 0 and args.schedule == "weighted":
+            fail(f"--{p}.weight", turn.weight, "weights must be positive, or the phase never runs")
+        if turn.until:
+            try:
+                name, _, _ = parse_condition(turn.until)
+            except ValueError:
+                fail(f"--{p}.until", turn.until, "write it as metric<value or metric>value, e.g. sft/loss<0.05")
+            known = [f"{p}/{m}" for m in LOGGED[p]] + EVAL_METRICS
+            if name not in known:
+                fail(f"--{p}.until", turn.until, f"phase {p} does not log {name}; it logs {known}")
+    for i, p in enumerate(args.phases[:-1] if args.schedule == "transitions" else []):
+        if not (getattr(args, p).turn.until or getattr(args, p).turn.max_steps):
+            fail(f"--{p}.until", None, f"phase {p} never ends, so {list(args.phases[i + 1:])} can never run; give "
+                                        f"--{p}.until or --{p}.max-steps")
+    if args.sft.on_failures and not {"ppo", "rloo"} & set(args.phases):
+        fail("--sft.on-failures", True, "needs an RL phase (ppo or rloo) whose failures it trains on")
+    builtin = True
+    for p in [p for p in args.phases if p in ("ppo", "rloo")]:
+        with phase_flags(p):
+            builtin = ppo.check_task(getattr(args, p).task) and builtin
+    if "rloo" in args.phases:
+        try:
+            kl_estimator_for(args.rloo.hp)
+        except ValueError as e:
+            fail("--rloo.kl-estimator", args.rloo.hp.kl_estimator, str(e))
+    if "rloo" in args.phases and args.rloo.turn.batch_size % (args.rloo.hp.rloo_k * world):
+        fail("--rloo.batch-size", args.rloo.turn.batch_size, f"must be divisible by --rloo.rloo-k "
+             f"({args.rloo.hp.rloo_k}) x {world} process(es): each process samples whole groups of k")
+    return builtin
 
 
 if __name__ == "__main__":

@@ -175,7 +175,7 @@ def test_rl_phases_with_a_prm_as_their_only_reward_train_on_its_step_scores(tmp_
     (["--schedule", "transitions"], "--sft.until", ["['rloo'] can never run"]),
     (["--phases", "sft", "--sft.on-failures"], "--sft.on-failures", ["needs an RL phase"]),
     (["--rloo.batch-size", "10"], "--rloo.batch-size", ["divisible by --rloo.rloo-k"]),
-    (["--rloo.prompt-fn", "ppo:addition_prompt"], "--reward-fn", ["need a reward"]),
+    (["--rloo.prompt-fn", "ppo:addition_prompt"], "--rloo.reward-fn", ["need a reward", "give --rloo.reward-fn"]),
 ])
 def test_bad_config_is_one_line(args, flag, words, tmp_path):
     assert_one_line_error(run_script("interleave.py", *args, "--output-dir", tmp_path), flag, *words)

@@ -154,7 +154,7 @@ def test_trust_remote_code_reaches_the_reward_model_and_the_prm(script, prefix, 
     env = {"HF_MODULES_CACHE": str(tmp_path / "modules")}  # where transformers copies the model's code
     refused = run_script(script, *tiny, *flags, "--output-dir", tmp_path / "refused", env=env, timeout=300)
     line = assert_one_line_error(refused, "--", "pass --trust-remote-code")
-    assert re.match(r"error: --(reward|prm)-model ", line), line
+    assert re.match(rf"error: --{re.escape(prefix)}(reward|prm)-model ", line), line  # interleave: the phase's flag
     result = run_script(script, *tiny, *flags, "--trust-remote-code", "--output-dir", tmp_path / "run", env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / "run" / "model" / "config.json").exists()
