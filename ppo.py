@@ -11,18 +11,20 @@ Custom loops (tool use, dense or process rewards) import `ppo_step` and call it 
 rewards and masks; `main()` below is one such loop.
 """
 
+from __future__ import annotations
+
 import bisect
 import copy
 import functools
-import importlib
-import importlib.util
 import inspect
 import json
 import math
 import numbers
 import os
 import pickle
+import pkgutil
 import random
+import runpy
 import shutil
 import sys
 import time
@@ -98,68 +100,6 @@ class PPOHParams:
 
 
 @dataclass
-class GenArgs:
-    """Generation settings (sampling temperature lives with the algorithm's hyperparameters)."""
-
-    max_new_tokens: int | None = None
-    """most tokens per response (default: 4 for the built-in task, 64 otherwise)"""
-    min_new_tokens: int = 0
-    """fewest tokens per response: EOS cannot end it sooner (like the four filters below, it changes what is
-    sampled, while the update's logprobs are the plain temperature softmax's: the update becomes off-policy)"""
-    top_k: int = 0
-    """sample among the k most likely tokens (0: off; off-policy, see --min-new-tokens)"""
-    top_p: float = 1.0
-    """nucleus sampling (1.0: off; off-policy, see --min-new-tokens)"""
-    min_p: float = 0.0
-    """drop tokens below min_p times the top probability (0: off; off-policy, see --min-new-tokens)"""
-    repetition_penalty: float = 1.0
-    """repetition penalty (1.0: off; off-policy, see --min-new-tokens)"""
-    stop_strings: list[str] = field(default_factory=list)
-    """end a response after the first of these strings (kept in the response)"""
-
-
-@dataclass
-class TaskArgs:
-    """Where prompts come from and how responses are scored; with no prompt source, the built-in task's prompts (and,
-    with no reward either, its reward)."""
-
-    dataset: str | None = None
-    """prompt source: a hub dataset id, or a local json/jsonl/parquet/csv file or folder"""
-    dataset_split: str = "train"
-    """split of --dataset to train on"""
-    eval_split: str | None = None
-    """split of --dataset to evaluate on (default: the first rows of --dataset-split)"""
-    prompt_column: str = "prompt"
-    """column with the prompt: a string, or a list of chat messages (rendered with the tokenizer's chat template)"""
-    prompt_fn: str | None = None
-    """prompt source: module:function or path/file.py:function; fn(rng: random.Random) -> {'prompt': ..., **columns}"""
-    num_eval_prompts: int = 100
-    """size of the fixed evaluation set (the built-in task always uses all its 100 sums)"""
-    reward_fn: list[str] = field(default_factory=list)
-    """reward functions (module:function or path/file.py:function), called as TRL calls them:
-    fn(prompts, completions, completion_ids=..., **columns) -> list[float]"""
-    reward_weights: list[float] | None = None
-    """one weight per --reward-fn (default: all 1.0)"""
-    reward_model: str | None = None
-    """a sequence classifier with one label, read at the last token of prompt+completion (its own tokenizer)"""
-    reward_model_weight: float = 1.0
-    """weight of the reward model's score in the total score"""
-    missing_eos_penalty: float | None = None
-    """subtracted from the score of responses that end neither with EOS nor with a stop string"""
-    success_threshold: float = 1.0
-    """an evaluation completion counts towards task/accuracy when its score reaches this"""
-    prm_model: str | None = None
-    """a process reward model (two-label token classifier, e.g. from stepwise_prm.py) that rewards each step"""
-    prm_weight: float = 1.0
-    """weight w of the process rewards: ppo.py shapes with the potential w x min(p_1..p_k) (see step_rewards);
-    rloo.py adds w x the --prm-aggregate of the step scores to each response's score"""
-    prm_separator: str = "\n"
-    """what ends a step in a response (as in the PRM's training data)"""
-    prm_aggregate: Literal["min", "mean", "last"] = "min"
-    """rloo.py: how a response's step rewards become one (ppo.py puts each on the last token of its step)"""
-
-
-@dataclass
 class Args:
     """Train a language model with PPO on reward functions, a reward model, or both."""
 
@@ -178,7 +118,7 @@ class Args:
     model: str = "builtin"
     """policy: a Hugging Face id or a local folder; 'builtin' is a tiny Llama-shaped model built from config"""
     value_model: str | None = None
-    """value model, loaded as a one-label token classifier (default: --reward-model, else the policy + a fresh head)"""
+    """value model, loaded as a one-label token classifier (None: --reward-model, else the policy + a fresh head)"""
     trust_remote_code: bool = False
     """allow model code from the hub (off unless asked)"""
     total_episodes: int = 64_000
@@ -186,7 +126,7 @@ class Args:
     batch_size: int = 256
     """responses per iteration, over all processes"""
     learning_rate: float | None = None
-    """AdamW learning rate (default: 1e-3 for the built-in model, 3e-6 for any other)"""
+    """AdamW learning rate (None: 1e-3 for the built-in model, 3e-6 for any other)"""
     anneal_lr: bool = True
     """decay the learning rate linearly to 0"""
     eval_every: int = 25
@@ -201,9 +141,9 @@ class Args:
     """torch.compile the models' forward passes and the decode loop's one-token step (CUDA graphs on a GPU)"""
     fsdp: bool = False
     """shard the policy, value, reference and reward models over the processes with FSDP2 (under torchrun)"""
-    task: Annotated[TaskArgs, tyro.conf.arg(name="")] = field(default_factory=TaskArgs)
-    gen: Annotated[GenArgs, tyro.conf.arg(name="")] = field(default_factory=GenArgs)
-    ppo: Annotated[PPOHParams, tyro.conf.arg(name="")] = field(default_factory=PPOHParams)
+    task: Annotated[TaskArgs, tyro.conf.OmitArgPrefixes] = field(default_factory=lambda: TaskArgs())
+    gen: Annotated[GenArgs, tyro.conf.OmitArgPrefixes] = field(default_factory=lambda: GenArgs())
+    ppo: Annotated[PPOHParams, tyro.conf.OmitArgPrefixes] = field(default_factory=PPOHParams)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -351,21 +291,20 @@ def ppo_step(policy, value_model, ref_policy, optimizer, queries: torch.Tensor, 
     # 2. Rollout forward passes: reference logprobs without gradients, in chunks; the policy's old logprobs and
     # the old values the same way, unless the update is one mini-batch without accumulation: then the first
     # epoch's forward pass (with gradients) is the rollout's, and it is kept rather than done twice.
-    amp = lambda: autocast(hp.dtype, device)  # noqa: E731
     fused = hp.num_mini_batches == 1 and hp.gradient_accumulation_steps == 1
     if fused:
-        with amp():
+        with autocast(hp.dtype, device):
             first = (*response_logprobs(policy, input_ids, attention_mask, responses, hp.temperature, True,
                                         hp.ent_coef > 0), response_values(value_model, input_ids, attention_mask, T))
-    with torch.no_grad(), amp():
+    with torch.no_grad(), autocast(hp.dtype, device):
         chunks = [slice(i, i + hp.forward_batch_size) for i in range(0, B, hp.forward_batch_size)]
-        logprobs_of = lambda model: torch.cat([response_logprobs(  # noqa: E731
-            model, input_ids[c], attention_mask[c], responses[c], hp.temperature)[0] for c in chunks])
-        ref_logprobs = logprobs_of(ref_policy)
+        ref_logprobs = torch.cat([response_logprobs(ref_policy, input_ids[c], attention_mask[c], responses[c],
+                                                    hp.temperature)[0] for c in chunks])
         if fused:
             old_logprobs, old_values = first[0].detach(), first[2].detach() * valid
         else:
-            old_logprobs = logprobs_of(policy)
+            old_logprobs = torch.cat([response_logprobs(policy, input_ids[c], attention_mask[c], responses[c],
+                                                        hp.temperature)[0] for c in chunks])
             old_values = torch.cat([response_values(value_model, input_ids[c], attention_mask[c], T)
                                     for c in chunks]) * valid
 
@@ -405,7 +344,7 @@ def ppo_step(policy, value_model, ref_policy, optimizer, queries: torch.Tensor, 
                 if fused and epoch == 0:
                     new_logprobs, entropy, new_values = (x[i] for x in first)
                 else:
-                    with amp():
+                    with autocast(hp.dtype, device):
                         new_logprobs, entropy = response_logprobs(policy, input_ids[i], attention_mask[i], responses[i],
                                                                   hp.temperature, True, hp.ent_coef > 0)
                         new_values = response_values(value_model, input_ids[i], attention_mask[i], T)
@@ -439,21 +378,22 @@ def ppo_step(policy, value_model, ref_policy, optimizer, queries: torch.Tensor, 
 
     # 6. Metrics (means over this process's batch; the caller averages them over processes).
     ratios = torch.stack(stats["ratio"]) if stats["ratio"] else torch.full((1,), float("nan"))
-    mean = lambda k: torch.stack(stats[k]).mean().item() if stats[k] else float("nan")  # noqa: E731
-    eos = (responses.gather(1, last[:, None])[:, 0] == eos_token_id) & valid.any(1) if eos_token_id is not None \
-        else torch.zeros(B, dtype=torch.bool, device=device)
+    mean = {key: torch.stack(values).mean().item() if values else float("nan") for key, values in stats.items()}
+    eos = torch.zeros(B, dtype=torch.bool, device=device)  # [B] responses that end with EOS
+    if eos_token_id is not None:
+        eos = (responses.gather(1, last[:, None])[:, 0] == eos_token_id) & valid.any(1)
     return {
         "objective/kl": kl.sum(1).mean().item(),
         "objective/entropy": (-old_logprobs * train).sum(1).mean().item(),
         "objective/non_score_reward": non_score.sum(1).mean().item(),
         "objective/rlhf_reward": (scores + non_score.sum(1)).mean().item(),
         "objective/scores": scores.mean().item(),
-        "policy/approxkl_avg": mean("approxkl"),
-        "policy/clipfrac_avg": mean("clipfrac"),
-        "policy/entropy_avg": mean("entropy"),
-        "loss/policy_avg": mean("pg_loss"),
-        "loss/value_avg": mean("vf_loss"),
-        "val/clipfrac_avg": mean("vf_clipfrac"),
+        "policy/approxkl_avg": mean["approxkl"],
+        "policy/clipfrac_avg": mean["clipfrac"],
+        "policy/entropy_avg": mean["entropy"],
+        "loss/policy_avg": mean["pg_loss"],
+        "loss/value_avg": mean["vf_loss"],
+        "val/clipfrac_avg": mean["vf_clipfrac"],
         "val/ratio": ratios.mean().item(),
         "val/ratio_var": ratios.var().item() if len(ratios) > 1 else 0.0,
         "val/num_eos_tokens": eos.sum().item(),
@@ -462,32 +402,21 @@ def ppo_step(policy, value_model, ref_policy, optimizer, queries: torch.Tensor, 
     }
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# The loop: one iteration is the numbered steps below. main() calls the machinery under the marker: Python looks
-# names up when a call runs, so they may be defined after it.
+# The loop. It calls the machinery below the marker: Python looks a name up when the call runs, so that is fine.
 
 
 def main(args: Args) -> None:
     hp, gen = args.ppo, args.gen
-    # ---- validate the configuration before anything is loaded
+    # ---- check the configuration before anything is loaded
     rank, world, device = setup_distributed()
-    builtin_task = check_task(args.task)
-    gen.max_new_tokens = gen.max_new_tokens or (4 if builtin_task else 64)
+    gen.max_new_tokens = gen.max_new_tokens or (4 if check_task(args.task) else 64)
     local_batch = args.batch_size // world
     if args.batch_size % world or local_batch % (hp.num_mini_batches * hp.gradient_accumulation_steps):
         fail("--batch-size", args.batch_size, f"must be divisible by {world} process(es) x --num-mini-batches "
              f"({hp.num_mini_batches}) x --gradient-accumulation-steps ({hp.gradient_accumulation_steps})")
-    num_iterations = args.total_episodes // args.batch_size
-    if num_iterations < 1:
-        fail("--total-episodes", args.total_episodes, f"must be at least --batch-size ({args.batch_size})")
-    if args.resume and args.resume != "latest" and args.output_dir is None:
-        args.output_dir = str(Path(args.resume).parent.parent)
-    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
-    output_dir = Path(args.output_dir or f"runs/{run_name}")
-    ckpt = find_checkpoint(args.resume, output_dir) if args.resume else None
+    num_iterations, output_dir, run_name, ckpt = plan_run(args)
 
-    # ---- models: policy, frozen reference, value model; the same initial weights in every process
-    random.seed(args.seed)
+    random.seed(args.seed)  # the same initial weights in every process
     torch.manual_seed(args.seed)
     tokenizer, policy = load_policy(args.model, args.trust_remote_code)
     # 7. Models: a frozen copy of the policy is the reference; the value model is a one-label token classifier.
@@ -497,70 +426,45 @@ def main(args: Args) -> None:
         value_model = load_pretrained(AutoModelForTokenClassification, args.value_model or args.task.reward_model,
                                       flag, args.trust_remote_code, num_labels=1)
     else:
-        config = copy.deepcopy(policy.config)
-        config.num_labels = 1
-        value_model = AutoModelForTokenClassification.from_config(config)
-        missing = value_model.load_state_dict(policy.state_dict(), strict=False).missing_keys
-        if any(k.startswith(value_model.base_model_prefix + ".") for k in missing):
-            fail("--model", args.model, "the value model cannot take the policy's weights; give --value-model")
+        value_model = token_classifier_from(policy, 1, "--model", "give --value-model")
     value_model.config.pad_token_id = tokenizer.pad_token_id
-    task = load_task(args.task, tokenizer, model_context(policy), gen.max_new_tokens, args.trust_remote_code)
-    if args.fsdp and not torch.distributed.is_initialized():
-        fail("--fsdp", True, "FSDP shards over processes: launch with torchrun --nproc_per_node N")
-    if len(task["eval_rows"]) < world:
-        fail("--num-eval-prompts", args.task.num_eval_prompts, f"give at least one per process ({world})")
+    task = load_task(args.task, tokenizer, model_context(policy), gen.max_new_tokens, args.trust_remote_code, world)
+    models = {"policy": policy, "value": value_model}
     if ckpt is not None:
         policy.load_state_dict(AutoModelForCausalLM.from_pretrained(ckpt / "policy").state_dict())
         value_model.load_state_dict(AutoModelForTokenClassification.from_pretrained(ckpt / "value").state_dict())
-    models = {"policy": policy, "value": value_model}
-    for model in (policy, ref_policy, value_model, task["reward_model"], task["prm"]):
-        if model is not None:
-            disable_dropout(model.to(device))
-            shard(model, init_device_mesh(device.type, (world,))) if args.fsdp else None
+    place([policy, ref_policy, value_model, task.reward_model, task.prm], device, args.fsdp, world)
     lr = args.learning_rate or (1e-3 if args.model == "builtin" else 3e-6)
     optimizer = torch.optim.AdamW([*policy.parameters(), *value_model.parameters()], lr=lr, eps=1e-5)
 
-    # ---- seeding per process (ranks sample differently), or the saved state of a resumed run
-    random.seed(args.seed + rank)
-    torch.manual_seed(args.seed + rank)
-    start, episode, elapsed, accuracy = 1, 0, 0.0, None  # accuracy: the last evaluation's, for the progress bar
-    prompt_state = {"epoch": 0, "pos": 0, "rng": random.Random(args.seed).getstate()}
-    if ckpt is not None:
-        state = load_state(ckpt)
-        load_optimizer_state(optimizer, state["optimizer"])
-        set_rng_states(state["rng"][rank % len(state["rng"])])
-        prompt_state, run_name, accuracy = state["prompt_state"], state["run_name"], state["accuracy"]
-        start, episode, elapsed = state["iteration"] + 1, state["episode"], state["elapsed"]
-    if args.compile:
-        for model in (policy, ref_policy, value_model):
-            model.forward = torch.compile(model.forward, dynamic=True)
-    metrics_path, run = open_run(args, output_dir, start, run_name) if rank == 0 else (None, None)
+    state = resume_state(ckpt, optimizer, args.seed, rank, run_name)
+    start = state["iteration"] + 1
     sample, greedy = generation_configs(gen, tokenizer, hp.temperature)
-    if args.compile:  # decode_loop's one-token step, one graph per batch size, replayed as a CUDA graph on GPUs
-        sample.compile_config = greedy.compile_config = CompileConfig(
-            fullgraph=True, dynamic=False, mode="reduce-overhead" if device.type == "cuda" else "default")
+    if args.compile:
+        compile_models([policy, ref_policy, value_model], [sample, greedy], device)
+    metrics_path, run = open_run(args, output_dir, start, state["run_name"]) if rank == 0 else (None, None)
     if rank == 0 and off_policy_note(gen):
         print(off_policy_note(gen))
-
     if start == 1:
         with autocast(hp.dtype, device):
             metrics, samples = evaluate(policy, tokenizer, task, greedy, gen.stop_strings, rank, world)
         log_row(metrics_path, run, {"iteration": 0, "episode": 0, "elapsed_s": 0.0, **metrics}, samples)
-        accuracy = metrics["task/accuracy"]
+        state["accuracy"] = metrics["task/accuracy"]
     progress = tqdm(range(start, num_iterations + 1), initial=start - 1, total=num_iterations, desc="ppo",
                     disable=rank != 0)
-    t0 = time.time() - elapsed
+    t0 = time.time() - state["elapsed"]
     for iteration in progress:
         # 8. Rollout: anneal the learning rate, take this process's share of the prompts, sample and score.
         if args.anneal_lr:
             optimizer.param_groups[0]["lr"] = lr * (1 - (iteration - 1) / num_iterations)
-        rows = draw_rows(task, prompt_state, args.batch_size, args.seed)[rank * local_batch:(rank + 1) * local_batch]
+        rows = draw_rows(task, state["prompt_state"], args.batch_size, args.seed)
+        rows = rows[rank * local_batch:(rank + 1) * local_batch]
         with autocast(hp.dtype, device):
             out = rollout(policy, tokenizer, rows, sample, gen.stop_strings, task)
         # 9. Update: the scores (with a PRM, per-token process rewards too) go into one ppo_step.
+        rewards = token_rewards(out["scores"], out["masks"], out["process"], args.task.prm_weight)
         try:
-            metrics = ppo_step(policy, value_model, ref_policy, optimizer, out["queries"], out["responses"],
-                               token_rewards(out["scores"], out["masks"], out["process"], args.task.prm_weight),
+            metrics = ppo_step(policy, value_model, ref_policy, optimizer, out["queries"], out["responses"], rewards,
                                out["masks"], hp=hp, pad_token_id=tokenizer.pad_token_id,
                                eos_token_id=tokenizer.eos_token_id)
         except FloatingPointError as e:
@@ -569,10 +473,10 @@ def main(args: Args) -> None:
         # 10. Log: metrics averaged over processes (counts summed), one row per iteration; greedy evaluation every
         # --eval-every.
         if out["process"] is not None:
-            metrics["objective/prm_min_step_score"] = sum(min((p for _, p in steps), default=0)
-                                                          for steps in out["process"]) / len(rows)
-        episode += args.batch_size
-        row = {"iteration": iteration, "episode": episode, "elapsed_s": round(time.time() - t0, 3),
+            step_minima = [min((p for _, p in steps), default=0) for steps in out["process"]]
+            metrics["objective/prm_min_step_score"] = sum(step_minima) / len(rows)
+        state["episode"] += args.batch_size
+        row = {"iteration": iteration, "episode": state["episode"], "elapsed_s": round(time.time() - t0, 3),
                "lr": optimizer.param_groups[0]["lr"], **average_metrics(metrics, device, ("val/num_eos_tokens",))}
         if args.compile and iteration == start:  # torch.compile's seconds so far: the decode steps and the forwards
             row["perf/compile_s"] = round(torch._dynamo.utils.calculate_time_spent()["total_wall_time"], 1)
@@ -581,35 +485,16 @@ def main(args: Args) -> None:
             with autocast(hp.dtype, device):
                 eval_metrics, samples = evaluate(policy, tokenizer, task, greedy, gen.stop_strings, rank, world)
             row.update(eval_metrics)
+            state["accuracy"] = eval_metrics["task/accuracy"]
         log_row(metrics_path, run, row, samples)
-        accuracy = row.get("task/accuracy", accuracy)
         progress.set_postfix(score=f"{row['objective/scores']:.3f}", kl=f"{row['objective/kl']:.3f}",
-                             acc=f"{accuracy:.3f}")
+                             acc=f"{state['accuracy']:.3f}")
         # 11. Checkpoint: models, optimizer, random states and prompt position, written whole or not at all.
         if args.save_every and iteration % args.save_every == 0:
-            rngs = [rng_states()] * world
-            if world > 1:
-                torch.distributed.all_gather_object(rngs, rng_states())
-            state = {"iteration": iteration, "episode": episode, "elapsed": time.time() - t0, "run_name": run_name,
-                     "optimizer": optimizer_state(optimizer), "rng": rngs, "prompt_state": prompt_state,
-                     "accuracy": accuracy}
-            weights = {name: full_state_dict(model) for name, model in models.items()}
-            if rank == 0:
-                save_checkpoint(output_dir / "checkpoints" / f"iter_{iteration:06d}", models, weights, tokenizer, state,
-                                args.keep_checkpoints)
-
-    weights = full_state_dict(policy)
-    if rank == 0:
-        policy.save_pretrained(output_dir / "model", state_dict=weights)
-        tokenizer.save_pretrained(output_dir / "model")
-        final = json.loads(metrics_path.read_text().splitlines()[-1])
-        print(f"final task/accuracy {final.get('task/accuracy')} eval/scores {final.get('eval/scores')} after "
-              f"{final['episode']} episodes in {final['elapsed_s']:.0f}s; model in {output_dir / 'model'}")
-    if run is not None:
-        run.finish()
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()  # no process tears the group down while another still uses it (saving)
-        torch.distributed.destroy_process_group()
+            state.update(iteration=iteration, elapsed=time.time() - t0)
+            save_state(output_dir / "checkpoints" / f"iter_{iteration:06d}", models, tokenizer, optimizer, state,
+                       args.keep_checkpoints, rank, world)
+    finish_run(policy, tokenizer, output_dir, metrics_path, run, rank)
 
 
 # Machinery below: loading and checking inputs, the task, generation, processes, checkpoints, logs; no algorithm.
@@ -671,30 +556,87 @@ def addition_reward(prompts, completions, completion_ids, answer, tokenizer, **k
 # Loading and checking what the user gives: callables, models, prompts, rewards
 
 
+@dataclass
+class GenArgs:
+    """Generation settings (sampling temperature lives with the algorithm's hyperparameters)."""
+
+    max_new_tokens: int | None = None
+    """most tokens per response (None: 4 for the built-in task, 64 otherwise)"""
+    min_new_tokens: int = 0
+    """fewest tokens per response: EOS cannot end it sooner (like the four filters below, it changes what is
+    sampled, while the update's logprobs are the plain temperature softmax's: the update becomes off-policy)"""
+    top_k: int = 0
+    """sample among the k most likely tokens (0: off; off-policy, see --min-new-tokens)"""
+    top_p: float = 1.0
+    """nucleus sampling (1.0: off; off-policy, see --min-new-tokens)"""
+    min_p: float = 0.0
+    """drop tokens below min_p times the top probability (0: off; off-policy, see --min-new-tokens)"""
+    repetition_penalty: float = 1.0
+    """repetition penalty (1.0: off; off-policy, see --min-new-tokens)"""
+    stop_strings: list[str] = field(default_factory=list)
+    """end a response after the first of these strings (kept in the response)"""
+
+
+@dataclass
+class TaskArgs:
+    """Where prompts come from and how responses are scored; with no prompt source, the built-in task's prompts (and,
+    with no reward either, its reward)."""
+
+    dataset: str | None = None
+    """prompt source: a hub dataset id, or a local json/jsonl/parquet/csv file or folder"""
+    dataset_split: str = "train"
+    """split of --dataset to train on"""
+    eval_split: str | None = None
+    """split of --dataset to evaluate on (None: the first rows of --dataset-split)"""
+    prompt_column: str = "prompt"
+    """column with the prompt: a string, or a list of chat messages (rendered with the tokenizer's chat template)"""
+    prompt_fn: str | None = None
+    """prompt source: module:function or path/file.py:function; fn(rng: random.Random) -> {'prompt': ..., **columns}"""
+    num_eval_prompts: int = 100
+    """size of the fixed evaluation set (the built-in task always uses all its 100 sums)"""
+    reward_fn: list[str] = field(default_factory=list)
+    """reward functions (module:function or path/file.py:function), called as TRL calls them:
+    fn(prompts, completions, completion_ids=..., **columns) -> list[float]"""
+    reward_weights: list[float] | None = None
+    """one weight per --reward-fn (None: all 1.0)"""
+    reward_model: str | None = None
+    """a sequence classifier with one label, read at the last token of prompt+completion (its own tokenizer)"""
+    reward_model_weight: float = 1.0
+    """weight of the reward model's score in the total score"""
+    missing_eos_penalty: float | None = None
+    """subtracted from the score of responses that end neither with EOS nor with a stop string"""
+    success_threshold: float = 1.0
+    """an evaluation completion counts towards task/accuracy when its score reaches this"""
+    prm_model: str | None = None
+    """a process reward model (two-label token classifier, e.g. from stepwise_prm.py) that rewards each step"""
+    prm_weight: float = 1.0
+    """weight w of the process rewards: ppo.py shapes with the potential w x min(p_1..p_k) (see step_rewards);
+    rloo.py adds w x the --prm-aggregate of the step scores to each response's score"""
+    prm_separator: str = "\n"
+    """what ends a step in a response (as in the PRM's training data)"""
+
+
 def fail(flag: str, value: Any, fix: str) -> NoReturn:
     """Stop the run with one line that names the flag, its value and the fix (no traceback)."""
     raise SystemExit(f"error: {flag} {value!r}: {fix}")
 
 
 def load_callable(spec: str, flag: str) -> Callable:
-    """Import 'module:function' or 'path/to/file.py:function'."""
+    """Import 'module:function' (pkgutil.resolve_name; the current folder is on the path), or run
+    'path/to/file.py' as a module (runpy) and take its function."""
     target, _, name = spec.rpartition(":")
     if not target or not name:
         fail(flag, spec, "write it as module:function or path/to/file.py:function")
+    if target.endswith(".py") and not os.path.isfile(target):
+        fail(flag, spec, f"there is no file {target}; check the path")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
-        if target.endswith(".py"):
-            if not os.path.isfile(target):
-                fail(flag, spec, f"there is no file {target}; check the path")
-            module_spec = importlib.util.spec_from_file_location(Path(target).stem, target)
-            module = importlib.util.module_from_spec(module_spec)
-            module_spec.loader.exec_module(module)
-        else:
-            if os.getcwd() not in sys.path:
-                sys.path.insert(0, os.getcwd())
-            module = importlib.import_module(target)
+        fn = runpy.run_path(target).get(name) if target.endswith(".py") else pkgutil.resolve_name(spec)
     except ImportError as e:
         fail(flag, spec, f"cannot import {target} ({e}); check the module name and that it is on the path")
-    fn = getattr(module, name, None)
+    except AttributeError:
+        fn = None
     if not callable(fn):
         fail(flag, spec, f"{target} has no function {name}; check the name after ':'")
     return fn
@@ -740,6 +682,18 @@ def fp32_output_layer(model: torch.nn.Module) -> torch.nn.Module:
 
     head = model.get_output_embeddings()
     head.forward = functools.partial(forward, head)  # deepcopy(model) binds the copy's to the copied head
+    return model
+
+
+def token_classifier_from(lm, num_labels: int, flag: str, fix: str) -> torch.nn.Module:
+    """A token classifier (num_labels outputs per token: a value model, a PRM) with a causal LM's weights under a
+    fresh head; `fix` completes the one-line error when the classifier cannot take those weights."""
+    config = copy.deepcopy(lm.config)
+    config.num_labels = num_labels
+    model = AutoModelForTokenClassification.from_config(config)
+    missing = model.load_state_dict(lm.state_dict(), strict=False).missing_keys
+    if any(k.startswith(model.base_model_prefix + ".") for k in missing):
+        fail(flag, lm.name_or_path, f"a token classifier cannot take this model's weights; {fix}")
     return model
 
 
@@ -803,7 +757,34 @@ def render_prompt(tokenizer, prompt: str | list) -> list[int]:
     return tokenizer(text, add_special_tokens=False).input_ids
 
 
-def load_task(task: TaskArgs, tokenizer, context: int, max_new_tokens: int, trust_remote_code: bool = False) -> dict:
+@dataclass
+class Task:
+    """A loaded task (load_task): where prompts come from, the fixed evaluation rows, and what scores responses."""
+
+    args: TaskArgs
+    """the flags it was loaded from"""
+    source: Callable | datasets.Dataset
+    """a prompt function fn(rng) -> row, or a dataset of rows"""
+    eval_rows: list[dict]
+    """the fixed evaluation rows"""
+    reward_fns: list[tuple[str, Callable]] = field(default_factory=list)
+    """(spec, function) of each reward function"""
+    weights: list[float] = field(default_factory=list)
+    """one weight per reward function"""
+    reward_model: Any = None
+    """sequence classifier whose score is added (weighted), or None"""
+    rm_tokenizer: Any = None
+    """the reward model's own tokenizer"""
+    prm: Any = None
+    """process reward model (two-label token classifier), or None"""
+    prm_tokenizer: Any = None
+    """the PRM's own tokenizer"""
+    context: int = 10**9
+    """the policy's context length in tokens"""
+
+
+def load_task(task: TaskArgs, tokenizer, context: int, max_new_tokens: int, trust_remote_code: bool = False,
+              world: int = 1) -> Task:
     """Prompt source, fixed evaluation rows and scorers of a task (validated by check_task); the reward model and the
     PRM are loaded with --trust-remote-code as given."""
     if task.dataset:
@@ -825,6 +806,8 @@ def load_task(task: TaskArgs, tokenizer, context: int, max_new_tokens: int, trus
         if scorers and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
             print(f"note: no --dataset or --prompt-fn, so {' '.join(scorers)} scores the built-in task's prompts: "
                   "single-digit sums like '3+4=', each row with its 'answer' for a reward function to read")
+    if len(eval_rows) < world:
+        fail("--num-eval-prompts", task.num_eval_prompts, f"give at least one per process ({world})")
     reward_fns = [(spec, load_callable(spec, "--reward-fn")) for spec in task.reward_fn]
     if not (task.reward_fn or task.reward_model or task.prm_model):
         reward_fns = [("builtin:addition_reward", functools.partial(addition_reward, tokenizer=tokenizer))]
@@ -842,20 +825,19 @@ def load_task(task: TaskArgs, tokenizer, context: int, max_new_tokens: int, trus
                                        trust_remote_code, num_labels=1).eval().requires_grad_(False)
         rm_tokenizer.pad_token = rm_tokenizer.pad_token or rm_tokenizer.eos_token
         reward_model.config.pad_token_id = rm_tokenizer.pad_token_id
-    return {"args": task, "source": source, "eval_rows": eval_rows, "reward_fns": reward_fns,
-            "weights": task.reward_weights or [1.0] * len(reward_fns), "reward_model": reward_model,
-            "rm_tokenizer": rm_tokenizer, "prm": prm, "prm_tokenizer": prm_tokenizer, "context": context}
+    return Task(task, source, eval_rows, reward_fns, task.reward_weights or [1.0] * len(reward_fns), reward_model,
+                rm_tokenizer, prm, prm_tokenizer, context)
 
 
-def draw_rows(task: dict, state: dict, n: int, seed: int) -> list[dict]:
+def draw_rows(task: Task, state: dict, n: int, seed: int) -> list[dict]:
     """The next n prompt rows: a dataset is walked in a fresh seeded order each epoch; a prompt function is called
     with a random.Random whose state (getstate()'s tuple) `state` keeps. `state` is all the position there is, and
     goes into checkpoints as plain data (what torch.load(weights_only=True) reads)."""
-    source = task["source"]
+    source = task.source
     if callable(source):
         rng = random.Random()
         rng.setstate(state["rng"])
-        rows = check_rows([source(rng) for _ in range(n)], task["args"].prompt_fn)
+        rows = check_rows([source(rng) for _ in range(n)], task.args.prompt_fn)
         state["rng"] = rng.getstate()
         return rows
     rows = []
@@ -1076,7 +1058,10 @@ def cut_responses(tokenizer, responses: torch.Tensor, stop_strings: list[str]) -
     whose decoded prefix holds it, found by bisection (a prefix's text holds whatever a shorter prefix's holds, but
     for U+FFFD, what a partial character decodes to): a few decodes per response, not one per token."""
     rows, lengths, ended = responses.tolist(), [], []
-    holds_stop = lambda ids: any(s in tokenizer.decode(ids) for s in stop_strings)
+
+    def holds_stop(ids: list[int]) -> bool:
+        return any(s in tokenizer.decode(ids) for s in stop_strings)
+
     for row in rows:
         n = row.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in row else len(row)
         done = tokenizer.eos_token_id in row
@@ -1099,7 +1084,7 @@ def call_reward_fns(reward_fns: list, weights: list[float], prompts: list, compl
     for (spec, fn), w in zip(reward_fns, weights):
         try:
             out = list(fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns))
-        except Exception as e:  # noqa: BLE001 -- any error in user code becomes one line
+        except Exception as e:  # any error in user code becomes one line
             fail("--reward-fn", spec, f"the function raised {type(e).__name__}: {e}; fix the function")
         if len(out) != len(completions):
             fail("--reward-fn", spec, f"returned {len(out)} scores for {len(completions)} completions; return one "
@@ -1138,8 +1123,8 @@ def process_rewards(prm, prm_tokenizer, tokenizer, prompts: list, completion_ids
         text = tokenizer.decode(ids, skip_special_tokens=True)
         ends = [len(tokenizer.decode(ids[:j + 1], skip_special_tokens=True)) for j in range(len(ids))]  # chars
         prompt_text = prompt if isinstance(prompt, str) else prompt[-1]["content"]
-        seq, labelled, token_of_step, end = bos + prm_tokenizer(prompt_text, add_special_tokens=False).input_ids, \
-            [], [], 0
+        seq = bos + prm_tokenizer(prompt_text, add_special_tokens=False).input_ids
+        labelled, token_of_step, end = [], [], 0
         for step in text.split(separator):
             end = min(end + len(step) + len(separator), len(text))
             if step.strip():
@@ -1155,15 +1140,15 @@ def process_rewards(prm, prm_tokenizer, tokenizer, prompts: list, completion_ids
     return [[(j, p_correct[b, i].item()) for i, j in zip(*place)] for b, place in enumerate(places)]
 
 
-def rollout(policy, tokenizer, rows: list[dict], gen: GenerationConfig, stop_strings: list[str], task: dict) -> dict:
+def rollout(policy, tokenizer, rows: list[dict], gen: GenerationConfig, stop_strings: list[str], task: Task) -> dict:
     """Generate responses to prompt rows and score them. Returns queries [B, Lq], responses [B, T], masks [B, T]
     (1 on response tokens), scores [B], ended [B], the prompts and completion texts, and with a PRM its step
     scores: per response, (token index, p_correct) per step."""
     prompts = [r["prompt"] for r in rows]
     ids = [render_prompt(tokenizer, p) for p in prompts]
-    if max(map(len, ids)) + gen.max_new_tokens > task["context"]:
+    if max(map(len, ids)) + gen.max_new_tokens > task.context:
         fail("--max-new-tokens", gen.max_new_tokens, f"a prompt of {max(map(len, ids))} tokens plus the new tokens "
-             f"exceeds the model's context of {task['context']}; shorten the prompts or lower --max-new-tokens")
+             f"exceeds the model's context of {task.context}; shorten the prompts or lower --max-new-tokens")
     queries = left_pad(ids, tokenizer.pad_token_id)
     device = next(policy.parameters()).device
     responses, lengths, ended = generate(policy, tokenizer, queries.to(device), gen, stop_strings)
@@ -1172,28 +1157,28 @@ def rollout(policy, tokenizer, rows: list[dict], gen: GenerationConfig, stop_str
     chat = not isinstance(prompts[0], str)
     completions = [[{"role": "assistant", "content": t}] for t in texts] if chat else texts
     columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt"}
-    scores = call_reward_fns(task["reward_fns"], task["weights"], prompts, completions, completion_ids, columns,
-                             task["reward_model"] is not None)
-    if task["reward_model"] is not None:
+    scores = call_reward_fns(task.reward_fns, task.weights, prompts, completions, completion_ids, columns,
+                             task.reward_model is not None)
+    if task.reward_model is not None:
         full = [q + t for q, t in zip(tokenizer.batch_decode(ids, skip_special_tokens=True), texts)]
-        scores += task["args"].reward_model_weight * reward_model_scores(task["reward_model"], task["rm_tokenizer"],
+        scores += task.args.reward_model_weight * reward_model_scores(task.reward_model, task.rm_tokenizer,
                                                                          full)
-    if task["args"].missing_eos_penalty is not None:
-        scores[~ended] -= task["args"].missing_eos_penalty
-    process = None if task["prm"] is None else process_rewards(
-        task["prm"], task["prm_tokenizer"], tokenizer, prompts, completion_ids, task["args"].prm_separator)
+    if task.args.missing_eos_penalty is not None:
+        scores[~ended] -= task.args.missing_eos_penalty
+    process = None if task.prm is None else process_rewards(
+        task.prm, task.prm_tokenizer, tokenizer, prompts, completion_ids, task.args.prm_separator)
     masks = (torch.arange(responses.shape[1])[None] < lengths[:, None]).long()
     return {"queries": queries, "responses": responses, "masks": masks, "scores": scores, "ended": ended,
             "prompts": prompts, "texts": texts, "process": process}
 
 
-def evaluate(policy, tokenizer, task: dict, greedy: GenerationConfig, stop_strings: list[str], rank: int,
+def evaluate(policy, tokenizer, task: Task, greedy: GenerationConfig, stop_strings: list[str], rank: int,
              world: int) -> tuple[dict, list]:
     """Greedy decoding on the task's fixed evaluation rows (split over processes): mean score and task/accuracy
     (the fraction reaching --success-threshold), and a few samples."""
-    out = rollout(policy, tokenizer, task["eval_rows"][rank::world], greedy, stop_strings, task)
+    out = rollout(policy, tokenizer, task.eval_rows[rank::world], greedy, stop_strings, task)
     device = next(policy.parameters()).device
-    success = (out["scores"] >= task["args"].success_threshold).sum()
+    success = (out["scores"] >= task.args.success_threshold).sum()
     total = global_sum(torch.tensor([out["scores"].sum(), success, len(out["scores"])], dtype=torch.float64,
                                     device=device)).tolist()
     samples = [[str(p), t, s] for p, t, s in zip(out["prompts"], out["texts"], out["scores"].tolist())][:16]
@@ -1273,6 +1258,27 @@ def shard(model: torch.nn.Module, mesh) -> torch.nn.Module:
     return fully_shard(model, mesh=mesh)
 
 
+def place(models: list, device: torch.device, fsdp: bool, world: int) -> None:
+    """Move each model (None: absent) to the device with dropout off; under --fsdp, shard it over the processes."""
+    if fsdp and not torch.distributed.is_initialized():
+        fail("--fsdp", True, "FSDP shards over processes: launch with torchrun --nproc_per_node N")
+    for model in models:
+        if model is not None:
+            disable_dropout(model.to(device))
+            if fsdp:
+                shard(model, init_device_mesh(device.type, (world,)))
+
+
+def compile_models(models: list, configs: list[GenerationConfig], device: torch.device) -> None:
+    """--compile: torch.compile the models' forward passes (shapes vary: dynamic), and decode_loop's one-token step
+    for these generation configs (fixed shapes: one graph per batch size, replayed as a CUDA graph on GPUs)."""
+    for model in models:
+        model.forward = torch.compile(model.forward, dynamic=True)
+    for config in configs:
+        mode = "reduce-overhead" if device.type == "cuda" else "default"
+        config.compile_config = CompileConfig(fullgraph=True, dynamic=False, mode=mode)
+
+
 def full_state_dict(model: torch.nn.Module) -> dict:
     """All of a model's weights, whole, on the CPU of rank 0 (a collective under FSDP: every process calls it)."""
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -1339,8 +1345,9 @@ def open_run(args, output_dir: Path, start: int, run_name: str) -> tuple[Path, A
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "config.json").write_text(json.dumps(asdict(args), indent=2))
     path = output_dir / "metrics.jsonl"
-    kept = [r for r in path.read_text().splitlines() if json.loads(r)["iteration"] < start] \
-        if start > 1 and path.exists() else []
+    kept = []
+    if start > 1 and path.exists():
+        kept = [r for r in path.read_text().splitlines() if json.loads(r)["iteration"] < start]
     path.write_text("".join(r + "\n" for r in kept))
     run = None
     if args.track:
@@ -1377,6 +1384,63 @@ def set_rng_states(states: dict) -> None:
     torch.set_rng_state(states["torch"])
     if states["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(states["cuda"])
+
+
+def plan_run(args) -> tuple[int, Path, str, Path | None]:
+    """Iterations, run folder, run name, and the checkpoint that --resume names (None for a new run)."""
+    num_iterations = args.total_episodes // args.batch_size
+    if num_iterations < 1:
+        fail("--total-episodes", args.total_episodes, f"must be at least --batch-size ({args.batch_size})")
+    if args.resume and args.resume != "latest" and args.output_dir is None:
+        args.output_dir = str(Path(args.resume).parent.parent)
+    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    output_dir = Path(args.output_dir or f"runs/{run_name}")
+    return num_iterations, output_dir, run_name, find_checkpoint(args.resume, output_dir) if args.resume else None
+
+
+def resume_state(ckpt: Path | None, optimizer, seed: int, rank: int, run_name: str) -> dict:
+    """The loop's progress (iterations done, episodes, seconds, last accuracy, run name, prompt position) and this
+    process's random state: fresh (seeded per rank, so that ranks sample differently), or a checkpoint's, whose
+    optimizer state is restored too."""
+    random.seed(seed + rank)
+    torch.manual_seed(seed + rank)
+    if ckpt is None:
+        return {"iteration": 0, "episode": 0, "elapsed": 0.0, "accuracy": None, "run_name": run_name,
+                "prompt_state": {"epoch": 0, "pos": 0, "rng": random.Random(seed).getstate()}}
+    state = load_state(ckpt)
+    load_optimizer_state(optimizer, state.pop("optimizer"))
+    rngs = state.pop("rng")
+    set_rng_states(rngs[rank % len(rngs)])
+    return state
+
+
+def save_state(folder: Path, models: dict, tokenizer, optimizer, state: dict, keep: int, rank: int, world: int) -> None:
+    """A checkpoint of the models, the optimizer, every process's random states and the loop's `state`. Every
+    process calls it (gathering is a collective); rank 0 writes."""
+    rngs = [rng_states()] * world
+    if world > 1:
+        torch.distributed.all_gather_object(rngs, rng_states())
+    full = {**state, "optimizer": optimizer_state(optimizer), "rng": rngs}
+    weights = {name: full_state_dict(model) for name, model in models.items()}
+    if rank == 0:
+        save_checkpoint(folder, models, weights, tokenizer, full, keep)
+
+
+def finish_run(policy, tokenizer, output_dir: Path, metrics_path: Path | None, run, rank: int) -> None:
+    """Save the final model (gathered from every process, written by rank 0) and say where, close wandb, and leave
+    the process group once every process is done."""
+    weights = full_state_dict(policy)
+    if rank == 0:
+        policy.save_pretrained(output_dir / "model", state_dict=weights)
+        tokenizer.save_pretrained(output_dir / "model")
+        final = json.loads(metrics_path.read_text().splitlines()[-1])
+        print(f"final task/accuracy {final.get('task/accuracy')} eval/scores {final.get('eval/scores')} after "
+              f"{final['episode']} episodes in {final['elapsed_s']:.0f}s; model in {output_dir / 'model'}")
+    if run is not None:
+        run.finish()
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()  # no process tears the group down while another still uses it (saving)
+        torch.distributed.destroy_process_group()
 
 
 def save_checkpoint(folder: Path, models: dict, weights: dict, tokenizer, state: dict, keep: int) -> None:

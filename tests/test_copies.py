@@ -9,9 +9,11 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 MARKER = "# Machinery below:"
-# above the marker, what both RL scripts share: their config groups and the math both updates use
-SHARED_ABOVE_MARKER = ["GenArgs", "TaskArgs", "response_valid_mask", "masked_mean", "kl_penalty"]
-# stepwise_prm.py's machinery: the subset of ppo.py's block it needs, copied definition by definition
+# above the marker, what both RL scripts share: the math both updates use
+SHARED_ABOVE_MARKER = ["response_valid_mask", "masked_mean", "kl_penalty"]
+# stepwise_prm.py's machinery: the subset of ppo.py's block it needs, copied definition by definition. Every other
+# name the two files share is deliberately the script's own: Args (its flags), main (its loop) and evaluate (the
+# PRM's held-out step metrics, not a policy's greedy decoding).
 SHARED_WITH_PRM = [
     "autocast", "BUILTIN_CHARS", "build_tokenizer", "build_tiny_model", "fail",
     "load_pretrained", "model_context", "world_size", "global_sum", "sync_gradients", "step_or_skip",
@@ -67,3 +69,54 @@ def test_every_definition_rloo_shares_with_ppo_is_guarded():
     above = names(ROOT / "ppo.py", ppo_text[:ppo_text.index(MARKER)]) & names(ROOT / "rloo.py",
                                                                              rloo_text[:rloo_text.index(MARKER)])
     assert above - {"Args", "main"} == set(SHARED_ABOVE_MARKER)
+
+
+def config_fields(path: Path, cls: str) -> dict[str, str]:
+    """Each field of a config dataclass: its declaration and the docstring under it, as source text."""
+    text = path.read_text()
+    body = next(n for n in ast.parse(text).body if getattr(n, "name", None) == cls).body
+    fields = {}
+    for stmt, after in zip(body, [*body[1:], None]):
+        if isinstance(stmt, ast.AnnAssign):
+            doc = ast.get_source_segment(text, after) if isinstance(after, ast.Expr) else ""
+            fields[stmt.target.id] = ast.get_source_segment(text, stmt) + "\n" + doc
+    return fields
+
+
+# run-level flags that each script declares in its own way: its name, its default episodes, what a batch is (rloo.py:
+# prompts x k samples), which models --fsdp shards
+OWN_FIELDS = {"exp_name", "total_episodes", "batch_size", "fsdp"}
+
+
+def test_run_flags_rloo_shares_with_ppo_are_declared_identically():
+    ppo_fields, rloo_fields = config_fields(ROOT / "ppo.py", "Args"), config_fields(ROOT / "rloo.py", "Args")
+    shared = (ppo_fields.keys() & rloo_fields.keys()) - OWN_FIELDS
+    assert len(shared) >= 15, sorted(shared)
+    for name in sorted(shared):
+        assert rloo_fields[name] == ppo_fields[name], f"rloo.py's Args.{name} differs from ppo.py's"
+
+
+# the run flags other scripts copy from ppo.py's Args word for word (declaration and docstring); their other flags
+# of the same names differ on purpose (defaults, units: steps rather than episodes)
+COPIED_FLAGS = {
+    "stepwise_prm.py": ["anneal_lr", "keep_checkpoints", "output_dir", "resume", "track", "trust_remote_code",
+                        "wandb_entity", "wandb_project"],
+    "interleave.py": ["keep_checkpoints", "output_dir", "track", "trust_remote_code", "wandb_entity", "wandb_project"],
+    "examples/calculator.py": ["track", "wandb_entity", "wandb_project"],
+}
+
+
+@pytest.mark.parametrize("script", COPIED_FLAGS)
+def test_copied_run_flags_are_declared_as_in_ppo(script):
+    ppo_fields, fields = config_fields(ROOT / "ppo.py", "Args"), config_fields(ROOT / script, "Args")
+    for name in COPIED_FLAGS[script]:
+        assert fields[name] == ppo_fields[name], f"{script}'s Args.{name} differs from ppo.py's"
+
+
+def test_every_definition_stepwise_prm_shares_with_ppo_is_guarded():
+    def names(text: str) -> set[str]:
+        return {getattr(n, "name", None) or n.targets[0].id for n in ast.parse(text).body
+                if hasattr(n, "name") or (isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name))}
+
+    shared = names((ROOT / "ppo.py").read_text()) & names((ROOT / "stepwise_prm.py").read_text())
+    assert shared - {"Args", "main", "evaluate"} == set(SHARED_WITH_PRM)
