@@ -281,10 +281,7 @@ def main(args: Args) -> None:
     # 1. Models: the value model (for PPO) and the PRM start from the policy's weights under fresh heads.
     for name, phase, num_labels in (("value", "ppo", 1), ("prm", "prm", 2)):
         if phase in args.phases:
-            config = copy.deepcopy(policy.config)
-            config.num_labels = num_labels
-            models[name] = AutoModelForTokenClassification.from_config(config)
-            models[name].load_state_dict(policy.state_dict(), strict=False)
+            models[name] = ppo.token_classifier_from(policy, num_labels, "--model", f"drop the {phase} phase")
     context = ppo.model_context(policy)
     sources = {p: load_phase(args, p, tokenizer, context) for p in args.phases}
     eval_task = sources[rl[0]] if rl else ppo.load_task(TaskArgs(), tokenizer, context, args.gen.max_new_tokens)
@@ -292,12 +289,7 @@ def main(args: Args) -> None:
         for name, model in models.items():
             cls = AutoModelForCausalLM if name == "policy" else AutoModelForTokenClassification
             model.load_state_dict(cls.from_pretrained(ckpt / name).state_dict())
-    if args.fsdp and not torch.distributed.is_initialized():
-        fail("--fsdp", True, "FSDP shards over processes: launch with torchrun --nproc_per_node N")
-    for model in [*models.values(), ref_policy, *[sources[p].reward_model for p in rl if sources[p].reward_model]]:
-        ppo.disable_dropout(model.to(device))
-        if args.fsdp:
-            ppo.shard(model, ppo.init_device_mesh(device.type, (world,)))
+    ppo.place([*models.values(), ref_policy, *[sources[p].reward_model for p in rl]], device, args.fsdp, world)
 
     # ---- optimizers: the policy's (shared, or one per phase) and the PRM's own
     def adamw(*mods):
@@ -330,8 +322,6 @@ def main(args: Args) -> None:
     metrics_path, run = ppo.open_run(args, output_dir, start, run_name) if rank == 0 else (None, None)
     samplers = {p: ppo.generation_configs(args.gen, tokenizer, getattr(args, p).hp.temperature)[0] for p in rl}
     greedy = ppo.generation_configs(args.gen, tokenizer, 1.0)[1]
-    if rank == 0 and ppo.off_policy_note(args.gen):
-        print(ppo.off_policy_note(args.gen))
 
     def evaluate() -> tuple[dict, list]:
         """Greedy decoding on the evaluation prompts (the first RL phase's, else the built-in task's)."""

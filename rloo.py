@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, NoReturn
 
 import datasets
+import peft
 import torch
 import tyro
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
@@ -142,6 +143,7 @@ class Args:
     """shard the policy, reference and reward models over the processes with FSDP2 (under torchrun)"""
     task: Annotated[TaskArgs, tyro.conf.OmitArgPrefixes] = field(default_factory=lambda: TaskArgs())
     gen: Annotated[GenArgs, tyro.conf.OmitArgPrefixes] = field(default_factory=lambda: GenArgs())
+    lora: Annotated[LoraArgs, tyro.conf.OmitArgPrefixes] = field(default_factory=lambda: LoraArgs())
     rloo: Annotated[RLOOHParams, tyro.conf.OmitArgPrefixes] = field(default_factory=RLOOHParams)
 
 
@@ -250,8 +252,9 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
     ids (a response ends after its first EOS); rewards [B] (one score per response) or [B, T] (per-token, summed per
     response, padding positions included: no reward is dropped); masks [B, T] with 0 on response tokens that must
     not be trained on (tool output: no gradient, no KL). The KL estimator is kl_estimator_for(hp) (a ValueError for
-    k1 in the loss). The models must not apply dropout (a ValueError: call disable_dropout(model) or model.eval()
-    first), or the rollout's and the update's forward passes would differ. Returns metrics.
+    k1 in the loss). ref_policy None means the policy with its LoRA adapters off (peft). The models must not apply
+    dropout (a ValueError: call disable_dropout(model) or model.eval() first), or the rollout's and the update's
+    forward passes would differ. Returns metrics.
     """
     B, T = responses.shape
     k = hp.rloo_k
@@ -299,7 +302,11 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
             old_logprobs = first[0].detach()
         else:  # filled by the training passes
             old_logprobs = torch.zeros(B, T, device=device)
-        ref_logprobs = logprobs_of(ref_policy) if hp.kl_coef > 0 else None
+        ref_logprobs = None
+        if hp.kl_coef > 0:
+            ref_model, ref_context = reference(policy, ref_policy)  # ref_policy None: the policy, adapters off
+            with ref_context:
+                ref_logprobs = logprobs_of(ref_model)
 
         def kl_of(logprobs: torch.Tensor) -> torch.Tensor:  # [B, T] per-token KL, zero on untrained tokens
             if ref_logprobs is None:
@@ -420,23 +427,21 @@ def main(args: Args) -> None:
     random.seed(args.seed)  # the same initial weights in every process
     torch.manual_seed(args.seed)
     tokenizer, policy = load_policy(args.model, args.trust_remote_code)
-    # 7. Models: a frozen copy of the policy is the reference; there is no value model.
-    ref_policy = disable_dropout(copy.deepcopy(policy)).eval().requires_grad_(False)
+    # 7. Models: a frozen copy of the policy is the reference (with LoRA, the policy with its adapters off).
+    ref_policy = None if args.lora.lora_r else disable_dropout(copy.deepcopy(policy)).eval().requires_grad_(False)
+    policy = with_lora(policy, args.lora, args.fsdp)
     task = load_task(args.task, tokenizer, model_context(policy), gen.max_new_tokens, args.trust_remote_code, world)
     if ckpt is not None:
-        policy.load_state_dict(AutoModelForCausalLM.from_pretrained(ckpt / "policy").state_dict())
+        load_weights(policy, ckpt / "policy", AutoModelForCausalLM)
     place([policy, ref_policy, task.reward_model, task.prm], device, args.fsdp, world)
     lr = args.learning_rate or (1e-3 if args.model == "builtin" else 3e-6)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=lr, eps=1e-5)
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=lr, eps=1e-5)
 
     state = resume_state(ckpt, optimizer, args.seed, rank, run_name)
     start = state["iteration"] + 1
     sample, greedy = generation_configs(gen, tokenizer, hp.temperature)
-    if args.compile:
-        compile_models([policy, ref_policy], [sample, greedy], device)
+    compile_models(args.compile, [policy, ref_policy], [sample, greedy], device)
     metrics_path, run = open_run(args, output_dir, start, state["run_name"]) if rank == 0 else (None, None)
-    if rank == 0 and off_policy_note(gen):
-        print(off_policy_note(gen))
     if start == 1:
         with autocast(hp.dtype, device):
             metrics, samples = evaluate(policy, tokenizer, task, greedy, gen.stop_strings, rank, world)
@@ -605,6 +610,21 @@ class TaskArgs:
     """what ends a step in a response (as in the PRM's training data)"""
 
 
+@dataclass
+class LoraArgs:
+    """LoRA adapters (the peft library): only they train (and a value model's head), and the reference is the
+    policy with its adapters off, so no copy of the policy is kept."""
+
+    lora_r: int = 0
+    """rank of the adapters (0: off, every weight trains)"""
+    lora_alpha: int | None = None
+    """the adapters' scale numerator (None: 2 x --lora-r)"""
+    lora_dropout: float = 0.0
+    """dropout on the adapters' input; only 0 is taken: dropout would change the logprobs between passes"""
+    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """modules that get adapters, by name ('all-linear': every linear layer but the output layer and heads)"""
+
+
 def fail(flag: str, value: Any, fix: str) -> NoReturn:
     """Stop the run with one line that names the flag, its value and the fix (no traceback)."""
     raise SystemExit(f"error: {flag} {value!r}: {fix}")
@@ -684,6 +704,30 @@ def token_classifier_from(lm, num_labels: int, flag: str, fix: str) -> torch.nn.
     if any(k.startswith(model.base_model_prefix + ".") for k in missing):
         fail(flag, lm.name_or_path, f"a token classifier cannot take this model's weights; {fix}")
     return model
+
+
+def with_lora(model, lora: LoraArgs, fsdp: bool) -> torch.nn.Module:
+    """The model with fresh LoRA adapters (peft) when --lora-r > 0: they and a token classifier's head train, every
+    other weight is frozen; as it is with --lora-r 0."""
+    if lora.lora_r < 0:
+        fail("--lora-r", lora.lora_r, "give the adapters' rank (0: no adapters, every weight trains)")
+    if lora.lora_r == 0:
+        return model
+    if lora.lora_dropout != 0:
+        fail("--lora-dropout", lora.lora_dropout, "dropout would change the logprobs between the rollout's and the "
+             "update's forward passes; leave it at 0")
+    if fsdp:
+        fail("--lora-r", lora.lora_r, "LoRA with --fsdp is not supported here: drop one of them")
+    causal_lm = model.get_output_embeddings() is not None  # a token classifier's head trains whole (modules_to_save)
+    targets = "all-linear" if lora.lora_target_modules == ["all-linear"] else lora.lora_target_modules  # peft's word
+    config = peft.LoraConfig(r=lora.lora_r, lora_alpha=lora.lora_alpha or 2 * lora.lora_r, lora_dropout=0.0,
+                             target_modules=targets, exclude_modules=None if causal_lm else ["score", "classifier"],
+                             task_type="CAUSAL_LM" if causal_lm else "TOKEN_CLS")
+    try:
+        return peft.get_peft_model(model, config)
+    except ValueError as e:
+        fail("--lora-target-modules", lora.lora_target_modules, f"{str(e).splitlines()[0][:160].rstrip('.')}; name "
+             "modules the model has (e.g. q_proj v_proj), or all-linear")
 
 
 def model_context(model) -> int:
@@ -856,7 +900,10 @@ def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def generation_configs(gen: GenArgs, tokenizer, temperature: float) -> tuple[GenerationConfig, GenerationConfig]:
-    """The sampling configuration for rollouts and the greedy one for evaluation."""
+    """The sampling configuration for rollouts and the greedy one for evaluation; the off-policy note, once, when a
+    sampling filter is set."""
+    if off_policy_note(gen) and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
+        print_once(off_policy_note(gen))
     common = dict(max_new_tokens=gen.max_new_tokens, min_new_tokens=gen.min_new_tokens or None,
                   pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     sample = GenerationConfig(do_sample=True, temperature=temperature, top_k=gen.top_k, top_p=gen.top_p,
@@ -1247,6 +1294,17 @@ def shard(model: torch.nn.Module, mesh) -> torch.nn.Module:
     return fully_shard(model, mesh=mesh)
 
 
+def reference(policy, ref_policy) -> tuple:
+    """The reference model and the context to run it in: a separate ref_policy under torch.no_grad (where it already
+    runs: no change), or, when ref_policy is None or the policy itself, the policy with its LoRA adapters off."""
+    if ref_policy is not None and ref_policy is not policy:
+        return ref_policy, torch.no_grad()
+    if not isinstance(policy, peft.PeftModel):
+        raise ValueError("ref_policy None (or the policy) means the policy with its LoRA adapters off, and this policy "
+                         "has none: pass a frozen copy of it as ref_policy")
+    return policy, policy.disable_adapter()
+
+
 def place(models: list, device: torch.device, fsdp: bool, world: int) -> None:
     """Move each model (None: absent) to the device with dropout off; under --fsdp, shard it over the processes."""
     if fsdp and not torch.distributed.is_initialized():
@@ -1258,10 +1316,12 @@ def place(models: list, device: torch.device, fsdp: bool, world: int) -> None:
                 shard(model, init_device_mesh(device.type, (world,)))
 
 
-def compile_models(models: list, configs: list[GenerationConfig], device: torch.device) -> None:
-    """--compile: torch.compile the models' forward passes (shapes vary: dynamic), and decode_loop's one-token step
-    for these generation configs (fixed shapes: one graph per batch size, replayed as a CUDA graph on GPUs)."""
-    for model in models:
+def compile_models(enabled: bool, models: list, configs: list[GenerationConfig], device: torch.device) -> None:
+    """With --compile (`enabled`): torch.compile the models' forward passes (shapes vary: dynamic), and decode_loop's
+    one-token step for these generation configs (fixed shapes: one graph per batch size, a CUDA graph on GPUs)."""
+    if not enabled:
+        return
+    for model in filter(None, models):
         model.forward = torch.compile(model.forward, dynamic=True)
     for config in configs:
         mode = "reduce-overhead" if device.type == "cuda" else "default"
@@ -1309,6 +1369,8 @@ def refuse_dropout(**models: torch.nn.Module) -> None:
     p > 0 or a float `*dropout*` attribute > 0 (attention dropout applied as a function). The rollout's and the
     update's forward passes would then see different dropout masks, and old and new logprobs and values differ."""
     for name, model in models.items():
+        if model is None:  # ref_policy None: the policy itself, with its LoRA adapters off
+            continue
         active = [n or type(m).__name__ for n, m in model.named_modules() if m.training and (
             isinstance(m, torch.nn.Dropout) and m.p > 0
             or any("dropout" in k and isinstance(v, float) and v > 0 for k, v in vars(m).items()))]
@@ -1417,7 +1479,13 @@ def save_state(folder: Path, models: dict, tokenizer, optimizer, state: dict, ke
 
 def finish_run(policy, tokenizer, output_dir: Path, metrics_path: Path | None, run, rank: int) -> None:
     """Save the final model (gathered from every process, written by rank 0) and say where, close wandb, and leave
-    the process group once every process is done."""
+    the process group once every process is done. With LoRA, the adapters alone go to adapter/ and the model with
+    them merged into its weights to model/."""
+    if isinstance(policy, peft.PeftModel):
+        weights = full_state_dict(policy)
+        if rank == 0:
+            policy.save_pretrained(output_dir / "adapter", state_dict=weights)
+        policy = policy.merge_and_unload()
     weights = full_state_dict(policy)
     if rank == 0:
         policy.save_pretrained(output_dir / "model", state_dict=weights)
@@ -1430,6 +1498,15 @@ def finish_run(policy, tokenizer, output_dir: Path, metrics_path: Path | None, r
     if torch.distributed.is_initialized():
         torch.distributed.barrier()  # no process tears the group down while another still uses it (saving)
         torch.distributed.destroy_process_group()
+
+
+def load_weights(model, folder: Path, auto_cls) -> None:
+    """Load a checkpoint's weights into the model: a whole model saved by save_pretrained, or, for a model with LoRA
+    adapters, its adapters (and heads) alone."""
+    if isinstance(model, peft.PeftModel):
+        peft.set_peft_model_state_dict(model, peft.utils.load_peft_weights(str(folder)))
+    else:
+        model.load_state_dict(auto_cls.from_pretrained(folder).state_dict())
 
 
 def save_checkpoint(folder: Path, models: dict, weights: dict, tokenizer, state: dict, keep: int) -> None:

@@ -10,6 +10,7 @@ virtual environment (benchmarks/.trl-venv), never into the project's.
     python benchmarks/vs_trl.py --only ppo --dtype bf16 --rounds 1
     python benchmarks/vs_trl.py --learning --seeds 1 2   # RLOO on the built-in task against TRL's RLOOTrainer
     python benchmarks/vs_trl.py --only generation        # the generation line alone
+    python benchmarks/vs_trl.py --lora-r 16 --rounds 1   # our PPO and RLOO: full fine-tuning against LoRA r 16
 
 Each pair runs alternately (ours, TRL, ours, TRL, ...) so that machine noise hits both; per-iteration seconds are
 medians after warm-up; peak memory is the peak resident set (VmHWM) of each side's training process.
@@ -63,8 +64,8 @@ def run(cmd: list[str], env: dict | None = None) -> str:
     return result.stdout
 
 
-def ours(algo: str, iterations: int, art: Path, dtype: str, compile_: bool) -> dict:
-    """Run our script on the benchmark settings; per-iteration seconds from its metrics.jsonl."""
+def ours(algo: str, iterations: int, art: Path, dtype: str, compile_: bool, extra: tuple = ()) -> dict:
+    """Run our script on the benchmark settings (plus `extra` flags); per-iteration seconds from its metrics.jsonl."""
     out = Path(f"/tmp/bench_ours_{algo}")
     common = ["--output-dir", str(out), "--learning-rate", "3e-6" if algo != "prm" else "1e-5", "--dtype", dtype]
     common += ["--compile"] if compile_ else []
@@ -80,7 +81,7 @@ def ours(algo: str, iterations: int, art: Path, dtype: str, compile_: bool) -> d
         args = ["stepwise_prm.py", "--model", art / "policy", "--dataset", art / "prm.jsonl", "--batch-size", "16",
                 "--max-length", "256", "--total-steps", str(iterations), "--eval-every", "100000",
                 "--num-eval-rows", "16"]
-    text = run([sys.executable, "-c", PEAK, *map(str, args), *common], env={"HF_HUB_OFFLINE": "1"})
+    text = run([sys.executable, "-c", PEAK, *map(str, args), *common, *extra], env={"HF_HUB_OFFLINE": "1"})
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:-1]  # no eval rows
     times = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(rows, rows[1:])]
     tokens = [r["train/tokens"] for r in rows] if algo == "prm" else []
@@ -200,6 +201,25 @@ def median_after_warmup(times_lists: list[list[float]]) -> float:
     return statistics.median([t for times in times_lists for t in times[WARMUP:]])
 
 
+def lora_table(r: int, iterations: int, rounds: int) -> list[str]:
+    """Our PPO and RLOO on the benchmark settings, full fine-tuning and LoRA rank r, alternating: s/iter (median
+    after warm-up) and peak resident set."""
+    art = artifacts.build()
+    lines = [f"| | full s/iter | LoRA r {r} s/iter | full peak RSS (MB) | LoRA peak RSS (MB) | LoRA / full peak |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for algo in ("ppo", "rloo"):
+        full, lora = [], []
+        for _ in range(rounds):
+            full.append(ours(algo, iterations, art, "fp32", False))
+            lora.append(ours(algo, iterations, art, "fp32", False, ("--lora-r", str(r))))
+        a, b = median_after_warmup([m["times"] for m in full]), median_after_warmup([m["times"] for m in lora])
+        peak_full, peak_lora = max(m["peak_rss_mb"] for m in full), max(m["peak_rss_mb"] for m in lora)
+        lines.append(f"| {algo.upper()} | {a:.3f} | {b:.3f} | {peak_full:.0f} | {peak_lora:.0f} | "
+                     f"{peak_lora / peak_full:.2f}x |")
+        print(lines[-1], flush=True)
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=["ppo", "rloo", "prm", "generation"], action="append",
@@ -211,7 +231,12 @@ def main() -> None:
     parser.add_argument("--learning", action="store_true", help="only the learning comparison (RLOO, built-in task)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1], help="seeds of the learning comparison")
     parser.add_argument("--episodes", type=int, default=64_000, help="episodes of the learning comparison")
+    parser.add_argument("--lora-r", type=int, default=0,
+                        help="only our PPO and RLOO, full fine-tuning against LoRA adapters of this rank")
     args = parser.parse_args()
+    if args.lora_r:
+        print("\n".join(lora_table(args.lora_r, args.iterations, args.rounds)))
+        return
     if args.learning:
         print("\n".join(learning(args.seeds, args.episodes)))
         return

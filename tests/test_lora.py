@@ -1,0 +1,147 @@
+"""LoRA adapters (peft) in ppo.py and rloo.py: the reference is the policy with its adapters off, only the adapters
+(and a value model's head) train, and runs save the merged model, the adapter beside it, and resume exactly."""
+
+import copy
+import json
+import shutil
+
+import peft
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+import ppo
+import rloo
+from conftest import assert_one_line_error, run_script
+
+TINY = ["--total-episodes", "32", "--batch-size", "16", "--num-mini-batches", "2", "--eval-every", "1",
+        "--num-ppo-epochs", "2"]
+
+
+def lora_models(seed: int = 0):
+    """Tokenizer, a policy with LoRA adapters (B initialised at random, so that they change the outputs), a frozen
+    copy of its base weights, and a value model with adapters on its own base and a whole head."""
+    tokenizer = ppo.build_tokenizer()
+    torch.manual_seed(seed)
+    base = ppo.build_tiny_model(tokenizer)
+    frozen_base = copy.deepcopy(base).eval().requires_grad_(False)
+    value = ppo.token_classifier_from(base, 1, "--model", "test")
+    value.config.pad_token_id = tokenizer.pad_token_id
+    policy = ppo.disable_dropout(ppo.with_lora(base, ppo.LoraArgs(lora_r=4), fsdp=False))
+    value = ppo.disable_dropout(ppo.with_lora(value, ppo.LoraArgs(lora_r=4), fsdp=False))
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.2)
+    return tokenizer, policy, frozen_base, value
+
+
+def batch(tokenizer, n=8):
+    queries = ppo.left_pad([tokenizer(f"{i}+{i % 3}=").input_ids for i in range(n)], tokenizer.pad_token_id)
+    responses = torch.randint(4, len(tokenizer), (n, 5))
+    responses[:, 3] = tokenizer.eos_token_id
+    responses[:, 4] = tokenizer.pad_token_id
+    return queries, responses
+
+
+def logprobs(model, tokenizer, queries, responses):
+    input_ids = torch.cat([queries, responses], 1)
+    attention = torch.cat([(queries != tokenizer.pad_token_id).cumsum(1) > 0, torch.ones_like(responses).bool()], 1)
+    return ppo.response_logprobs(model, input_ids, attention.long(), responses, 1.0)[0]
+
+
+def test_reference_logprobs_are_the_base_models_with_the_adapters_off():
+    tokenizer, policy, frozen_base, _ = lora_models()
+    queries, responses = batch(tokenizer)
+    with torch.no_grad():
+        base = logprobs(frozen_base, tokenizer, queries, responses)
+        adapted = logprobs(policy, tokenizer, queries, responses)
+        model, context = ppo.reference(policy, None)
+        with context:
+            reference = logprobs(model, tokenizer, queries, responses)
+    assert (adapted - base).abs().max() > 1e-3  # the adapters change the policy
+    assert (reference - base).abs().max() <= 1e-6
+    with pytest.raises(ValueError, match="adapters off"):  # no adapters to switch off: a copy is needed
+        ppo.reference(frozen_base, None)
+
+
+@pytest.mark.parametrize("algo", ["ppo", "rloo"])
+def test_a_step_with_no_reference_copy_trains_only_the_adapters_and_the_head(algo):
+    tokenizer, policy, _, value = lora_models()
+    queries, responses = batch(tokenizer, n=8)
+    models = [policy, value] if algo == "ppo" else [policy]
+    trained = [p for m in models for p in m.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=1e-2, eps=1e-5)
+    before = {(i, n): p.detach().clone() for i, m in enumerate(models) for n, p in m.named_parameters()}
+    if algo == "ppo":
+        metrics = ppo.ppo_step(policy, value, None, optimizer, queries, responses, torch.randn(8),
+                               hp=ppo.PPOHParams(num_ppo_epochs=1, num_mini_batches=1, kl_coef=0.1),
+                               pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    else:
+        grouped = queries[:2].repeat_interleave(4, 0)  # 2 prompts x k = 4 samples, contiguous
+        metrics = rloo.rloo_step(policy, None, optimizer, grouped, responses, torch.randn(8),
+                                 hp=rloo.RLOOHParams(rloo_k=4, num_ppo_epochs=1, num_mini_batches=1, kl_coef=0.1),
+                                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
+    assert metrics["objective/kl"] != 0  # the reference (adapters off) differs from the policy (adapters on)
+    changed = {key: not torch.equal(p, before[key]) for key, p in
+               (((i, n), p) for i, m in enumerate(models) for n, p in m.named_parameters())}
+    adapters = [k for k in changed if "lora_" in k[1] or "modules_to_save" in k[1]]
+    frozen = [k for k in changed if k not in adapters]
+    assert frozen and all(not changed[k] for k in frozen), [k for k in frozen if changed[k]][:3]  # bit-identical
+    assert adapters and all(changed[k] for k in adapters if "lora_A" in k[1] or "modules_to_save" in k[1])
+    if algo == "ppo":
+        assert any(changed[k] for k in adapters if k[0] == 1 and "score" in k[1])  # the value head trains whole
+
+
+@pytest.mark.parametrize("script", ["ppo.py", "rloo.py"])
+def test_a_lora_run_saves_the_merged_model_and_the_adapter_which_give_the_same_logits(script, tmp_path,
+                                                                                      tiny_model_dir):
+    out = tmp_path / "run"
+    result = run_script(script, *TINY, "--model", tiny_model_dir, "--learning-rate", "1e-2", "--lora-r", "4",
+                        "--output-dir", out)
+    assert result.returncode == 0, result.stderr[-3000:]
+    merged = AutoModelForCausalLM.from_pretrained(out / "model")
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    adapted = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), out / "adapter")
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        logits = [m(input_ids=ids).logits for m in (merged, adapted, base)]
+    assert (logits[0] - logits[1]).abs().max() < 1e-4  # merged weights = base + adapters
+    assert (logits[0] - logits[2]).abs().max() > 1e-4  # and training moved them off the base
+
+
+@pytest.mark.parametrize("script", ["ppo.py", "rloo.py"])
+def test_a_lora_run_resumes_exactly(script, tmp_path):
+    full = tmp_path / "full"
+    args = [*TINY, "--total-episodes", "64", "--save-every", "2", "--keep-checkpoints", "0", "--lora-r", "4"]
+    result = run_script(script, *args, "--output-dir", full)
+    assert result.returncode == 0, result.stderr[-3000:]
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(full / "checkpoints" / "iter_000002", resumed / "checkpoints" / "iter_000002")
+    rows = (full / "metrics.jsonl").read_text().splitlines()
+    (resumed / "metrics.jsonl").write_text("".join(line + "\n" for line in rows[:3]))
+    result = run_script(script, *args, "--output-dir", resumed, "--resume", "latest")
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    def strip(path):  # the rows without their wall-clock times
+        return [{k: v for k, v in json.loads(line).items() if k != "elapsed_s"}
+                for line in (path / "metrics.jsonl").read_text().splitlines()]
+
+    assert strip(resumed) == strip(full)
+    for folder in ("model", "adapter"):
+        name = "model.safetensors" if folder == "model" else "adapter_model.safetensors"
+        a, b = load_file(full / folder / name), load_file(resumed / folder / name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("args, flag, words", [
+    (["--lora-r", "-1"], "--lora-r", ["rank"]),
+    (["--lora-r", "4", "--lora-target-modules", "no_such_proj"], "--lora-target-modules", ["no_such_proj"]),
+    (["--lora-r", "4", "--lora-dropout", "0.1"], "--lora-dropout", ["leave it at 0"]),
+])
+def test_bad_lora_flags_stop_with_one_line(args, flag, words):
+    result = run_script("ppo.py", *TINY, *args, "--output-dir", "/tmp/never_written_lora")
+    assert_one_line_error(result, flag, *words)
