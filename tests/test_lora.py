@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 import ppo
 import rloo
 from conftest import assert_one_line_error, run_script
+from test_ppo import batch
 
 TINY = ["--total-episodes", "32", "--batch-size", "16", "--num-mini-batches", "2", "--eval-every", "1",
         "--num-ppo-epochs", "2"]
@@ -35,14 +36,6 @@ def lora_models(seed: int = 0):
             if "lora_B" in name:
                 p.normal_(std=0.2)
     return tokenizer, policy, frozen_base, value
-
-
-def batch(tokenizer, n=8):
-    queries = ppo.left_pad([tokenizer(f"{i}+{i % 3}=").input_ids for i in range(n)], tokenizer.pad_token_id)
-    responses = torch.randint(4, len(tokenizer), (n, 5))
-    responses[:, 3] = tokenizer.eos_token_id
-    responses[:, 4] = tokenizer.pad_token_id
-    return queries, responses
 
 
 def logprobs(model, tokenizer, queries, responses):
