@@ -142,7 +142,7 @@ class Args:
     """shard the policy, value, reference and reward models over the processes with FSDP2 (under torchrun)"""
     task: Annotated[TaskArgs, tyro.conf.OmitArgPrefixes] = field(default_factory=lambda: TaskArgs())
     gen: Annotated[GenArgs, tyro.conf.OmitArgPrefixes] = field(default_factory=lambda: GenArgs())
-    lora: Annotated[LoraArgs, tyro.conf.OmitArgPrefixes] = field(default_factory=lambda: LoraArgs())
+    memory: Annotated[MemoryArgs, tyro.conf.OmitArgPrefixes] = field(default_factory=lambda: MemoryArgs())
     ppo: Annotated[PPOHParams, tyro.conf.OmitArgPrefixes] = field(default_factory=PPOHParams)
 
 
@@ -422,7 +422,7 @@ def main(args: Args) -> None:
     torch.manual_seed(args.seed)
     tokenizer, policy = load_policy(args.model, args.trust_remote_code)
     # 7. Models: the reference is a frozen copy of the policy (LoRA: the policy, adapters off); a one-label value model.
-    ref_policy = None if args.lora.lora_r else disable_dropout(copy.deepcopy(policy)).eval().requires_grad_(False)
+    ref_policy = None if args.memory.lora_r else disable_dropout(copy.deepcopy(policy)).eval().requires_grad_(False)
     if args.value_model or args.task.reward_model:
         flag = "--value-model" if args.value_model else "--reward-model"
         value_model = load_pretrained(AutoModelForTokenClassification, args.value_model or args.task.reward_model,
@@ -430,7 +430,7 @@ def main(args: Args) -> None:
     else:
         value_model = token_classifier_from(policy, 1, "--model", "give --value-model")
     value_model.config.pad_token_id = tokenizer.pad_token_id
-    policy, value_model = with_lora(policy, args.lora, args.fsdp), with_lora(value_model, args.lora, args.fsdp)
+    policy, value_model = with_lora(policy, args.memory, args.fsdp), with_lora(value_model, args.memory, args.fsdp)
     task = load_task(args.task, tokenizer, model_context(policy), gen.max_new_tokens, args.trust_remote_code, world)
     models = {"policy": policy, "value": value_model}
     if ckpt is not None:
@@ -618,9 +618,9 @@ class TaskArgs:
 
 
 @dataclass
-class LoraArgs:
-    """LoRA adapters (the peft library): only they train (and a value model's head), and the reference is the
-    policy with its adapters off, so no copy of the policy is kept."""
+class MemoryArgs:
+    """Less memory: LoRA adapters (the peft library), of which only they train (and a value model's head), the
+    reference being the policy with its adapters off (no copy); and activation checkpointing."""
 
     lora_r: int = 0
     """rank of the adapters (0: off, every weight trains)"""
@@ -630,6 +630,9 @@ class LoraArgs:
     """dropout on the adapters' input; only 0 is taken: dropout would change the logprobs between passes"""
     lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
     """modules that get adapters, by name ('all-linear': every linear layer but the output layer and heads)"""
+    gradient_checkpointing: bool = False
+    """recompute each layer's activations in the backward pass instead of keeping them (transformers' own
+    checkpointing, for the training forward passes): less memory, more compute"""
 
 
 def fail(flag: str, value: Any, fix: str) -> NoReturn:
@@ -713,9 +716,14 @@ def token_classifier_from(lm, num_labels: int, flag: str, fix: str) -> torch.nn.
     return model
 
 
-def with_lora(model, lora: LoraArgs, fsdp: bool) -> torch.nn.Module:
+def with_lora(model, lora: MemoryArgs, fsdp: bool) -> torch.nn.Module:
     """The model with fresh LoRA adapters (peft) when --lora-r > 0: they and a token classifier's head train, every
-    other weight is frozen; as it is with --lora-r 0."""
+    other weight is frozen; as it is with --lora-r 0. With --gradient-checkpointing, its layers recompute their
+    activations in the backward pass (only with gradients on: generation keeps its cache), which transformers does
+    in training mode only: the model is put in it (from_pretrained leaves it in eval mode; dropout is off anyway)."""
+    if lora.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
     if lora.lora_r < 0:
         fail("--lora-r", lora.lora_r, "give the adapters' rank (0: no adapters, every weight trains)")
     if lora.lora_r == 0:

@@ -143,7 +143,7 @@ class Args:
     """shard the policy, reference and reward models over the processes with FSDP2 (under torchrun)"""
     task: Annotated[TaskArgs, tyro.conf.OmitArgPrefixes] = field(default_factory=lambda: TaskArgs())
     gen: Annotated[GenArgs, tyro.conf.OmitArgPrefixes] = field(default_factory=lambda: GenArgs())
-    lora: Annotated[LoraArgs, tyro.conf.OmitArgPrefixes] = field(default_factory=lambda: LoraArgs())
+    memory: Annotated[MemoryArgs, tyro.conf.OmitArgPrefixes] = field(default_factory=lambda: MemoryArgs())
     rloo: Annotated[RLOOHParams, tyro.conf.OmitArgPrefixes] = field(default_factory=RLOOHParams)
 
 
@@ -224,17 +224,23 @@ def shared_prefix_logprobs(policy, queries: torch.Tensor, responses: torch.Tenso
                            entropy_grad: bool = False) -> tuple:
     """Logprobs [B, T] (and entropy [B, T], differentiable only if entropy_grad) of k responses per prompt,
     forwarding each prompt once: its KV cache is computed once and repeated k times. queries [P, Lq] left-padded,
-    one per prompt; responses, valid [B, T]."""
+    one per prompt; responses, valid [B, T]. Layers that checkpoint their activations keep no cache: then each
+    response is forwarded with its own copy of the prompt."""
     k = responses.shape[0] // queries.shape[0]
     query_mask = ((queries != pad_token_id).cumsum(1) > 0).long()
-    prefix = policy(input_ids=queries, attention_mask=query_mask, position_ids=position_ids_from(query_mask),
-                    use_cache=True, logits_to_keep=1)
-    cache = getattr(prefix, CACHE_KWARG)  # the output's field has the keyword's name
-    cache.batch_repeat_interleave(k)
     mask = torch.cat([query_mask.repeat_interleave(k, 0), valid.long()], 1)  # [B, Lq + T]
-    out = policy(input_ids=responses, attention_mask=mask, position_ids=position_ids_from(mask)[:, queries.shape[1]:],
-                 **{CACHE_KWARG: cache})
-    logits = torch.cat([prefix.logits.repeat_interleave(k, 0), out.logits[:, :-1]], 1).float() / temperature
+    if torch.is_grad_enabled() and any(getattr(m, "gradient_checkpointing", False) for m in policy.modules()):
+        logits = policy(input_ids=torch.cat([queries.repeat_interleave(k, 0), responses], 1), attention_mask=mask,
+                        position_ids=position_ids_from(mask), logits_to_keep=responses.shape[1] + 1).logits[:, :-1]
+    else:
+        prefix = policy(input_ids=queries, attention_mask=query_mask, position_ids=position_ids_from(query_mask),
+                        use_cache=True, logits_to_keep=1)
+        cache = getattr(prefix, CACHE_KWARG)  # the output's field has the keyword's name
+        cache.batch_repeat_interleave(k)
+        out = policy(input_ids=responses, attention_mask=mask,
+                     position_ids=position_ids_from(mask)[:, queries.shape[1]:], **{CACHE_KWARG: cache})
+        logits = torch.cat([prefix.logits.repeat_interleave(k, 0), out.logits[:, :-1]], 1)
+    logits = logits.float() / temperature  # [B, T, V]
     lse = logits.logsumexp(-1)  # [B, T, V] -> [B, T]
     logprobs = logits.gather(-1, responses.unsqueeze(-1)).squeeze(-1) - lse
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
@@ -428,8 +434,8 @@ def main(args: Args) -> None:
     torch.manual_seed(args.seed)
     tokenizer, policy = load_policy(args.model, args.trust_remote_code)
     # 7. Models: a frozen copy of the policy is the reference (with LoRA, the policy with its adapters off).
-    ref_policy = None if args.lora.lora_r else disable_dropout(copy.deepcopy(policy)).eval().requires_grad_(False)
-    policy = with_lora(policy, args.lora, args.fsdp)
+    ref_policy = None if args.memory.lora_r else disable_dropout(copy.deepcopy(policy)).eval().requires_grad_(False)
+    policy = with_lora(policy, args.memory, args.fsdp)
     task = load_task(args.task, tokenizer, model_context(policy), gen.max_new_tokens, args.trust_remote_code, world)
     if ckpt is not None:
         load_weights(policy, ckpt / "policy", AutoModelForCausalLM)
@@ -611,9 +617,9 @@ class TaskArgs:
 
 
 @dataclass
-class LoraArgs:
-    """LoRA adapters (the peft library): only they train (and a value model's head), and the reference is the
-    policy with its adapters off, so no copy of the policy is kept."""
+class MemoryArgs:
+    """Less memory: LoRA adapters (the peft library), of which only they train (and a value model's head), the
+    reference being the policy with its adapters off (no copy); and activation checkpointing."""
 
     lora_r: int = 0
     """rank of the adapters (0: off, every weight trains)"""
@@ -623,6 +629,9 @@ class LoraArgs:
     """dropout on the adapters' input; only 0 is taken: dropout would change the logprobs between passes"""
     lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
     """modules that get adapters, by name ('all-linear': every linear layer but the output layer and heads)"""
+    gradient_checkpointing: bool = False
+    """recompute each layer's activations in the backward pass instead of keeping them (transformers' own
+    checkpointing, for the training forward passes): less memory, more compute"""
 
 
 def fail(flag: str, value: Any, fix: str) -> NoReturn:
@@ -706,9 +715,14 @@ def token_classifier_from(lm, num_labels: int, flag: str, fix: str) -> torch.nn.
     return model
 
 
-def with_lora(model, lora: LoraArgs, fsdp: bool) -> torch.nn.Module:
+def with_lora(model, lora: MemoryArgs, fsdp: bool) -> torch.nn.Module:
     """The model with fresh LoRA adapters (peft) when --lora-r > 0: they and a token classifier's head train, every
-    other weight is frozen; as it is with --lora-r 0."""
+    other weight is frozen; as it is with --lora-r 0. With --gradient-checkpointing, its layers recompute their
+    activations in the backward pass (only with gradients on: generation keeps its cache), which transformers does
+    in training mode only: the model is put in it (from_pretrained leaves it in eval mode; dropout is off anyway)."""
+    if lora.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
     if lora.lora_r < 0:
         fail("--lora-r", lora.lora_r, "give the adapters' rank (0: no adapters, every weight trains)")
     if lora.lora_r == 0:

@@ -202,20 +202,23 @@ def median_after_warmup(times_lists: list[list[float]]) -> float:
 
 
 def lora_table(r: int, iterations: int, rounds: int) -> list[str]:
-    """Our PPO and RLOO on the benchmark settings, full fine-tuning and LoRA rank r, alternating: s/iter (median
-    after warm-up) and peak resident set."""
+    """Our PPO and RLOO on the benchmark settings: full fine-tuning, LoRA rank r, and LoRA rank r with activation
+    checkpointing, alternating; s/iter (median after warm-up) and peak resident set (MB), each against full."""
     art = artifacts.build()
-    lines = [f"| | full s/iter | LoRA r {r} s/iter | full peak RSS (MB) | LoRA peak RSS (MB) | LoRA / full peak |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    variants = {"full": (), f"LoRA r {r}": ("--lora-r", str(r)),
+                f"LoRA r {r} + checkpointing": ("--lora-r", str(r), "--gradient-checkpointing")}
+    lines = ["| | " + " | ".join(f"{v} s/iter, peak MB" for v in variants) + " |", "| --- " * 4 + "|"]
     for algo in ("ppo", "rloo"):
-        full, lora = [], []
+        runs = {v: [] for v in variants}
         for _ in range(rounds):
-            full.append(ours(algo, iterations, art, "fp32", False))
-            lora.append(ours(algo, iterations, art, "fp32", False, ("--lora-r", str(r))))
-        a, b = median_after_warmup([m["times"] for m in full]), median_after_warmup([m["times"] for m in lora])
-        peak_full, peak_lora = max(m["peak_rss_mb"] for m in full), max(m["peak_rss_mb"] for m in lora)
-        lines.append(f"| {algo.upper()} | {a:.3f} | {b:.3f} | {peak_full:.0f} | {peak_lora:.0f} | "
-                     f"{peak_lora / peak_full:.2f}x |")
+            for v, extra in variants.items():
+                runs[v].append(ours(algo, iterations, art, "fp32", False, extra))
+        cells = []
+        for v in variants:
+            seconds, peak = median_after_warmup([m["times"] for m in runs[v]]), max(m["peak_rss_mb"] for m in runs[v])
+            full_peak = max(m["peak_rss_mb"] for m in runs["full"])
+            cells.append(f"{seconds:.3f}, {peak:.0f} ({peak / full_peak:.2f}x)")
+        lines.append(f"| {algo.upper()} | " + " | ".join(cells) + " |")
         print(lines[-1], flush=True)
     return lines
 

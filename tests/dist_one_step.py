@@ -1,7 +1,8 @@
 """Launched by tests/test_distributed.py under torchrun: one ppo_step or rloo_step on a fixed global batch, split over
-the processes (plain data parallel, or FSDP2 with --fsdp); rank 0 saves the resulting parameters.
+the processes (plain data parallel, or FSDP2 with --fsdp; with --lora, LoRA adapters and no reference copy); rank 0
+saves the resulting parameters.
 
-    torchrun --nproc_per_node 2 tests/dist_one_step.py ppo out.pt [--fsdp]
+    torchrun --nproc_per_node 2 tests/dist_one_step.py ppo out.pt [--fsdp | --lora]
 """
 
 import os
@@ -16,7 +17,7 @@ import ppo  # noqa: E402
 import rloo  # noqa: E402
 
 
-def main(algo: str, out: str, fsdp: bool) -> None:
+def main(algo: str, out: str, fsdp: bool, lora: bool) -> None:
     rank, world, device = ppo.setup_distributed()
     torch.manual_seed(0)
     tokenizer = ppo.build_tokenizer()
@@ -24,6 +25,9 @@ def main(algo: str, out: str, fsdp: bool) -> None:
     config = policy.config
     config.num_labels = 1
     value = ppo.disable_dropout(ppo.AutoModelForTokenClassification.from_config(config))
+    if lora:  # adapters on the policy and the value model; the reference is the policy with its adapters off
+        memory = ppo.MemoryArgs(lora_r=4)
+        policy, value, ref = ppo.with_lora(policy, memory, False), ppo.with_lora(value, memory, False), None
     # the global batch: 4 prompts x 4 responses of different lengths, identical in every process
     gen = torch.Generator().manual_seed(1)
     queries = ppo.left_pad([tokenizer(f"{i}+{i * 3}=").input_ids for i in range(4)], tokenizer.pad_token_id)
@@ -38,7 +42,7 @@ def main(algo: str, out: str, fsdp: bool) -> None:
     for model in [*models, ref]:
         if fsdp:
             ppo.shard(model, init_device_mesh(device.type, (world,)))
-    optimizer = torch.optim.SGD([p for m in models for p in m.parameters()], lr=0.5)
+    optimizer = torch.optim.SGD([p for m in models for p in m.parameters() if p.requires_grad], lr=0.5)
     common = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     if algo == "ppo":
         ppo.ppo_step(policy, value, ref, optimizer, queries[mine], responses[mine], rewards[mine],
@@ -55,7 +59,7 @@ def main(algo: str, out: str, fsdp: bool) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], "--fsdp" in sys.argv)
+    main(sys.argv[1], sys.argv[2], "--fsdp" in sys.argv, "--lora" in sys.argv)
     if "LOCAL_RANK" in os.environ:  # under torchrun: all is saved and the group torn down; skip interpreter
         sys.stdout.flush()          # teardown, where gloo's leftover threads can abort the process (SIGABRT)
         sys.stderr.flush()

@@ -32,7 +32,8 @@ def rows_of(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("script, extra", [("ppo.py", []), ("ppo.py", ["--fsdp"]), ("rloo.py", []),
+@pytest.mark.parametrize("script, extra", [("ppo.py", []), ("ppo.py", ["--fsdp"]), ("ppo.py", ["--lora-r", "4"]),
+                                           ("rloo.py", []),
                                            ("rloo.py", ["--fsdp"]), ("interleave.py", ["--phases", "sft", "ppo"]),
                                            ("interleave.py", ["--fsdp"]), ("stepwise_prm.py", [])])
 def test_script_under_torchrun(script, extra, tmp_path):
@@ -54,7 +55,7 @@ def test_one_step_equal_with_one_and_two_processes(algo, tmp_path):
     """Same global batch, one SGD step: 2 processes (data parallel or FSDP2) give the 1-process parameters within
     1e-6 (float32 sums in another order)."""
     out = {}
-    for n, mode in [(1, ""), (2, ""), (2, "--fsdp")]:
+    for n, mode in [(1, ""), (2, ""), (2, "--fsdp"), (1, "--lora"), (2, "--lora")]:
         path = tmp_path / f"{n}{mode}.pt"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n),
                str(ROOT / "tests" / "dist_one_step.py"), algo, str(path), *([mode] if mode else [])]
@@ -68,6 +69,11 @@ def test_one_step_equal_with_one_and_two_processes(algo, tmp_path):
     for key in [(2, ""), (2, "--fsdp")]:
         for name, value in out[(1, "")].items():
             torch.testing.assert_close(out[key][name], value, atol=1e-6, rtol=0)
+    # LoRA under data parallelism: the adapters' gradients are averaged like any others
+    assert out[(2, "--lora")].keys() == out[(1, "--lora")].keys()
+    assert any("lora_B" in name and value.abs().max() > 0 for name, value in out[(1, "--lora")].items())
+    for name, value in out[(1, "--lora")].items():
+        torch.testing.assert_close(out[(2, "--lora")][name], value, atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("script", ["ppo.py", "rloo.py"])

@@ -29,8 +29,8 @@ def lora_models(seed: int = 0):
     frozen_base = copy.deepcopy(base).eval().requires_grad_(False)
     value = ppo.token_classifier_from(base, 1, "--model", "test")
     value.config.pad_token_id = tokenizer.pad_token_id
-    policy = ppo.disable_dropout(ppo.with_lora(base, ppo.LoraArgs(lora_r=4), fsdp=False))
-    value = ppo.disable_dropout(ppo.with_lora(value, ppo.LoraArgs(lora_r=4), fsdp=False))
+    policy = ppo.disable_dropout(ppo.with_lora(base, ppo.MemoryArgs(lora_r=4), fsdp=False))
+    value = ppo.disable_dropout(ppo.with_lora(value, ppo.MemoryArgs(lora_r=4), fsdp=False))
     with torch.no_grad():
         for name, p in policy.named_parameters():
             if "lora_B" in name:
@@ -138,3 +138,68 @@ def test_a_lora_run_resumes_exactly(script, tmp_path):
 def test_bad_lora_flags_stop_with_one_line(args, flag, words):
     result = run_script("ppo.py", *TINY, *args, "--output-dir", "/tmp/never_written_lora")
     assert_one_line_error(result, flag, *words)
+
+
+@pytest.mark.parametrize("lora_r", [0, 4])
+def test_gradient_checkpointing_recomputes_the_layers_and_gives_the_same_step(lora_r, monkeypatch):
+    results = []
+    calls = []
+    mlp_class = type(ppo.build_tiny_model(ppo.build_tokenizer()).model.layers[0].mlp)
+    forward = mlp_class.forward
+
+    def counted_forward(self, *args, **kwargs):  # counts every run of an MLP, the backward's recomputations too
+        calls.append(1)
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(mlp_class, "forward", counted_forward)
+    for checkpointing in (False, True):
+        tokenizer = ppo.build_tokenizer()
+        torch.manual_seed(0)
+        base = ppo.build_tiny_model(tokenizer)
+        ref = None if lora_r else copy.deepcopy(base).eval().requires_grad_(False)
+        value = ppo.token_classifier_from(base, 1, "--model", "test")
+        value.config.pad_token_id = tokenizer.pad_token_id
+        memory = ppo.MemoryArgs(lora_r=lora_r, gradient_checkpointing=checkpointing)
+        policy = ppo.disable_dropout(ppo.with_lora(base, memory, fsdp=False))
+        value = ppo.disable_dropout(ppo.with_lora(value, memory, fsdp=False))
+        calls.clear()
+        trained = [p for m in (policy, value) for p in m.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(trained, lr=1e-2, eps=1e-5)
+        queries, responses = batch(tokenizer)
+        ppo.ppo_step(policy, value, ref, optimizer, queries, responses, torch.linspace(-1, 1, 8),
+                     hp=ppo.PPOHParams(num_ppo_epochs=2, num_mini_batches=2, kl_coef=0.1),
+                     pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        results.append(([p.detach().clone() for p in trained], len(calls)))
+    (plain, plain_calls), (checkpointed, checkpointed_calls) = results
+    assert checkpointed_calls > plain_calls  # the layer ran again in the backward passes
+    for a, b in zip(plain, checkpointed):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=0)
+
+
+def test_gradient_checkpointing_is_on_for_a_model_loaded_in_eval_mode(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)  # from_pretrained leaves it in eval mode
+    model = ppo.with_lora(model, ppo.MemoryArgs(gradient_checkpointing=True), fsdp=False)
+    assert model.training and all(layer.gradient_checkpointing for layer in model.model.layers)
+
+
+@pytest.mark.parametrize("script", ["ppo.py", "rloo.py"])
+def test_a_run_with_lora_and_gradient_checkpointing(script, tmp_path, tiny_model_dir):
+    result = run_script(script, *TINY, "--model", tiny_model_dir, "--lora-r", "4", "--gradient-checkpointing",
+                        "--output-dir", tmp_path / "run")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").exists()
+
+
+def test_rloo_logprobs_with_checkpointed_layers_equal_the_shared_prefix_ones():
+    tokenizer = ppo.build_tokenizer()
+    torch.manual_seed(0)
+    model = ppo.build_tiny_model(tokenizer)
+    queries, responses = batch(tokenizer, n=8)
+    queries = queries[:2]  # 2 prompts x k = 4 responses
+    valid = ppo.response_valid_mask(responses, tokenizer.pad_token_id, tokenizer.eos_token_id)
+    shared = rloo.shared_prefix_logprobs(model, queries, responses, valid, tokenizer.pad_token_id, 1.0)[0]
+    rloo.with_lora(model, rloo.MemoryArgs(gradient_checkpointing=True), fsdp=False)
+    full = rloo.shared_prefix_logprobs(model, queries, responses, valid, tokenizer.pad_token_id, 1.0)[0]
+    shared.sum().backward()  # both differentiable
+    full.sum().backward()
+    torch.testing.assert_close(full[valid], shared[valid], atol=1e-5, rtol=0)
