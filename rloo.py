@@ -563,8 +563,8 @@ class GenArgs:
     max_new_tokens: int | None = None
     """most tokens per response (None: 4 for the built-in task, 64 otherwise)"""
     min_new_tokens: int = 0
-    """fewest tokens per response: EOS cannot end it sooner (like the four filters below, it changes what is
-    sampled, while the update's logprobs are the plain temperature softmax's: the update becomes off-policy)"""
+    """fewest tokens per response: EOS cannot end it sooner (off-policy, like the four filters below: it changes
+    what is sampled, while the update's logprobs are the plain temperature softmax's)"""
     top_k: int = 0
     """sample among the k most likely tokens (0: off; off-policy, see --min-new-tokens)"""
     top_p: float = 1.0
