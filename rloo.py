@@ -441,7 +441,7 @@ def main(args: Args) -> None:
         load_weights(policy, ckpt / "policy", AutoModelForCausalLM)
     place([policy, ref_policy, task.reward_model, task.prm], device, args.fsdp, world)
     lr = args.learning_rate or (1e-3 if args.model == "builtin" else 3e-6)
-    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=lr, eps=1e-5)
+    optimizer = torch.optim.AdamW(trainable(policy), lr=lr, eps=1e-5)
 
     state = resume_state(ckpt, optimizer, args.seed, rank, run_name)
     start = state["iteration"] + 1
@@ -742,6 +742,11 @@ def with_lora(model, lora: MemoryArgs, fsdp: bool) -> torch.nn.Module:
     except ValueError as e:
         fail("--lora-target-modules", lora.lora_target_modules, f"{str(e).splitlines()[0][:160].rstrip('.')}; name "
              "modules the model has (e.g. q_proj v_proj), or all-linear")
+
+
+def trainable(*models: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters the optimizer takes: all of them, or with LoRA the adapters' (and a value model's head)."""
+    return [p for model in models for p in model.parameters() if p.requires_grad]
 
 
 def model_context(model) -> int:
