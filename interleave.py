@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Annotated, Literal
 
+import peft
 import torch
 import tyro
 from tqdm import tqdm
@@ -168,6 +169,7 @@ class Args:
     fsdp: bool = False
     """shard every model over the processes with FSDP2 (under torchrun)"""
     gen: Annotated[ppo.GenArgs, tyro.conf.arg(name="")] = field(default_factory=ppo.GenArgs)
+    memory: Annotated[ppo.MemoryArgs, tyro.conf.arg(name="")] = field(default_factory=ppo.MemoryArgs)
     sft: SFTPhase = field(default_factory=SFTPhase)
     ppo: PPOPhase = field(default_factory=PPOPhase)
     rloo: RLOOPhase = field(default_factory=RLOOPhase)
@@ -277,24 +279,28 @@ def main(args: Args) -> None:
     torch.manual_seed(args.seed)
     tokenizer, policy = ppo.load_policy(args.model, args.trust_remote_code)
     models = {"policy": policy}
-    ref_policy = ppo.disable_dropout(copy.deepcopy(policy)).eval().requires_grad_(False)
-    # 1. Models: the value model (for PPO) and the PRM start from the policy's weights under fresh heads.
+    ref_policy = None if args.memory.lora_r else ppo.disable_dropout(copy.deepcopy(policy)).eval().requires_grad_(False)
+    # 1. Models: the value model (for PPO) and the PRM start from the policy's weights under fresh heads. With LoRA,
+    #    each gets its own adapters: the policy's one set, trained by every policy phase; the reference is the policy
+    #    with them off.
     for name, phase, num_labels in (("value", "ppo", 1), ("prm", "prm", 2)):
         if phase in args.phases:
             models[name] = ppo.token_classifier_from(policy, num_labels, "--model", f"drop the {phase} phase")
+    models = {name: ppo.with_lora(model, args.memory, args.fsdp) for name, model in models.items()}
+    policy = models["policy"]
     context = ppo.model_context(policy)
     sources = {p: load_phase(args, p, tokenizer, context) for p in args.phases}
     eval_task = sources[rl[0]] if rl else ppo.load_task(TaskArgs(), tokenizer, context, args.gen.max_new_tokens)
     if ckpt is not None:
         for name, model in models.items():
             cls = AutoModelForCausalLM if name == "policy" else AutoModelForTokenClassification
-            model.load_state_dict(cls.from_pretrained(ckpt / name).state_dict())
+            ppo.load_weights(model, ckpt / name, cls)
     ppo.place([*models.values(), ref_policy, *[sources[p].reward_model for p in rl]], device, args.fsdp, world)
 
     # ---- optimizers: the policy's (shared, or one per phase) and the PRM's own
     def adamw(*mods):
         """AdamW over the modules' parameters (each step sets its phase's learning rate)."""
-        return torch.optim.AdamW([p for m in mods for p in m.parameters()], lr=1e-3, eps=1e-5)
+        return torch.optim.AdamW(ppo.trainable(*mods), lr=1e-3, eps=1e-5)
 
     defaults = DEFAULT_LR_BUILTIN if args.model == "builtin" else DEFAULT_LR_PRETRAINED
     lrs = {p: getattr(args, p).turn.learning_rate or defaults[p] for p in args.phases}
@@ -380,11 +386,19 @@ def main(args: Args) -> None:
                 ppo.save_checkpoint(output_dir / "checkpoints" / f"iter_{step:06d}", models, weights, tokenizer,
                                     state, args.keep_checkpoints)
 
-    weights = {name: ppo.full_state_dict(model) for name, model in models.items()}
+    for name, model in models.items():  # model/ (the policy), value/, prm/; with LoRA merged, the adapters beside
+        folder = output_dir / ("model" if name == "policy" else name)
+        if isinstance(model, peft.PeftModel):
+            weights = ppo.full_state_dict(model)
+            if rank == 0:
+                model.save_pretrained(output_dir / ("adapter" if name == "policy" else f"{name}_adapter"),
+                                      state_dict=weights)
+            model = model.merge_and_unload()
+        weights = ppo.full_state_dict(model)
+        if rank == 0:
+            model.save_pretrained(folder, state_dict=weights)
+            tokenizer.save_pretrained(folder)
     if rank == 0:
-        for name, model in models.items():
-            model.save_pretrained(output_dir / ("model" if name == "policy" else name), state_dict=weights[name])
-            tokenizer.save_pretrained(output_dir / ("model" if name == "policy" else name))
         final = json.loads(metrics_path.read_text().splitlines()[-1])
         print(f"final task/accuracy {final.get('task/accuracy')} after {args.total_steps} steps in "
               f"{final['elapsed_s']:.0f}s; model in {output_dir / 'model'}")
