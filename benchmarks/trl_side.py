@@ -2,7 +2,16 @@
 this project): trains TRL's PPOTrainer, RLOOTrainer or PRMTrainer on the shared artifacts with the benchmark's
 settings and prints one JSON line: per-iteration seconds, peak resident memory and, for the PRM, non-pad tokens.
 
-    benchmarks/.trl-venv/bin/python benchmarks/trl_side.py ppo|rloo|prm ITERATIONS ARTIFACTS [--bf16]
+    benchmarks/.trl-venv/bin/python benchmarks/trl_side.py ppo|rloo|prm ITERATIONS ARTIFACTS [--bf16] [--lora-r R]
+        [--gradient-checkpointing | --no-gradient-checkpointing]
+
+Activation checkpointing is left at TRL's default unless a flag says otherwise. TRL 1.12's configs default it on, and
+RLOOTrainer and PRMTrainer (through transformers' Trainer) then checkpoint; PPOTrainer's own loop never turns it on.
+
+--lora-r R gives TRL a peft_config (LoRA rank R, alpha 2R, dropout 0, every linear layer), as our --lora-r does:
+TRL then uses the policy with its adapters off as the reference. TRL's PPOTrainer puts peft_config on the policy
+only and would train the value model whole; here the value model gets the same adapters (peft's in-place injection,
+its head trained whole), so that both sides train the same parameters.
     benchmarks/.trl-venv/bin/python benchmarks/trl_side.py rloo-learn EPISODES MODEL_FOLDER SEED
 """
 
@@ -39,7 +48,26 @@ class Timer(TrainerCallback):
 
 def common(out: str, iterations: int, bf16: bool) -> dict:
     return dict(output_dir=out, report_to=[], logging_steps=10**6, save_strategy="no", bf16=bf16, use_cpu=True,
-                seed=1, dataloader_num_workers=0, disable_tqdm=True)
+                seed=1, dataloader_num_workers=0, disable_tqdm=True, **checkpointing())
+
+
+def checkpointing() -> dict:
+    """gradient_checkpointing as the flags say, or nothing (TRL's default)."""
+    if "--gradient-checkpointing" in sys.argv:
+        return {"gradient_checkpointing": True}
+    if "--no-gradient-checkpointing" in sys.argv:
+        return {"gradient_checkpointing": False}
+    return {}
+
+
+def lora_config(task_type: str):
+    """Our --lora-r's adapters as a peft LoraConfig (None without --lora-r)."""
+    if "--lora-r" not in sys.argv:
+        return None
+    from peft import LoraConfig
+
+    r = int(sys.argv[sys.argv.index("--lora-r") + 1])
+    return LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules="all-linear", task_type=task_type)
 
 
 def learn(episodes: int, folder: Path, seed: int) -> None:
@@ -101,12 +129,17 @@ def main() -> None:
                            local_rollout_forward_batch_size=32, response_length=32, temperature=1.0,
                            total_episodes=32 * iterations, learning_rate=3e-6,
                            kl_coef=0.05, missing_eos_penalty=None, stop_token=None, num_sample_generations=0)
+        value_model = AutoModelForSequenceClassification.from_pretrained(art / "reward")
+        peft_config = lora_config("CAUSAL_LM")
+        if peft_config is not None:
+            from peft import get_peft_model
+
+            value_model = get_peft_model(value_model, lora_config("SEQ_CLS")).base_model.model  # adapters in place
         trainer = PPOTrainer(args=config, processing_class=tokenizer,
                              model=AutoModelForCausalLM.from_pretrained(art / "policy"),
-                             ref_model=AutoModelForCausalLM.from_pretrained(art / "policy"),
+                             ref_model=None if peft_config else AutoModelForCausalLM.from_pretrained(art / "policy"),
                              reward_model=AutoModelForSequenceClassification.from_pretrained(art / "reward"),
-                             value_model=AutoModelForSequenceClassification.from_pretrained(art / "reward"),
-                             train_dataset=ds, callbacks=[timer])
+                             value_model=value_model, train_dataset=ds, callbacks=[timer], peft_config=peft_config)
     elif algo == "rloo":
         from trl import RLOOConfig, RLOOTrainer
 
@@ -116,7 +149,8 @@ def main() -> None:
                             learning_rate=3e-6, beta=0.05, num_iterations=1, max_steps=iterations,
                             generation_kwargs={"min_new_tokens": 32})
         trainer = RLOOTrainer(model=str(art / "policy"), reward_funcs=str(art / "reward"), args=config,
-                              train_dataset=ds, processing_class=tokenizer, callbacks=[timer])
+                              train_dataset=ds, processing_class=tokenizer, callbacks=[timer],
+                              peft_config=lora_config("CAUSAL_LM"))
     else:
         from trl.experimental.prm import PRMConfig, PRMTrainer
 
@@ -137,7 +171,9 @@ def main() -> None:
     # before exec, here the benchmark's parent with its models loaded, copied by fork.)
     peak = next(int(line.split()[1]) for line in Path("/proc/self/status").read_text().splitlines()
                 if line.startswith("VmHWM:")) / 1024
-    print(json.dumps({"times": times, "peak_rss_mb": peak, "torch_threads": torch.get_num_threads(), **extra}))
+    trained = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    print(json.dumps({"times": times, "peak_rss_mb": peak, "torch_threads": torch.get_num_threads(),
+                      "trained_parameters": trained, **extra}))
 
 
 if __name__ == "__main__":

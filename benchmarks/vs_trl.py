@@ -10,7 +10,7 @@ virtual environment (benchmarks/.trl-venv), never into the project's.
     python benchmarks/vs_trl.py --only ppo --dtype bf16 --rounds 1
     python benchmarks/vs_trl.py --learning --seeds 1 2   # RLOO on the built-in task against TRL's RLOOTrainer
     python benchmarks/vs_trl.py --only generation        # the generation line alone
-    python benchmarks/vs_trl.py --lora-r 16 --rounds 1   # our PPO and RLOO: full fine-tuning against LoRA r 16
+    python benchmarks/vs_trl.py --lora-r 16 --rounds 1   # PPO and RLOO, both sides: full, LoRA r 16, + checkpointing
 
 Each pair runs alternately (ours, TRL, ours, TRL, ...) so that machine noise hits both; per-iteration seconds are
 medians after warm-up; peak memory is the peak resident set (VmHWM) of each side's training process.
@@ -88,8 +88,10 @@ def ours(algo: str, iterations: int, art: Path, dtype: str, compile_: bool, extr
     return {"times": times, "peak_rss_mb": float(text.split("PEAK_RSS_MB")[-1]), "tokens": tokens}
 
 
-def theirs(algo: str, iterations: int, art: Path, dtype: str) -> dict:
-    cmd = [trl_python(), str(ROOT / "benchmarks" / "trl_side.py"), algo, str(iterations), str(art)]
+def theirs(algo: str, iterations: int, art: Path, dtype: str, extra: tuple = ()) -> dict:
+    """Run TRL's trainer (trl_side.py, in TRL's venv) on the benchmark settings, plus `extra` (--lora-r R,
+    --gradient-checkpointing)."""
+    cmd = [trl_python(), str(ROOT / "benchmarks" / "trl_side.py"), algo, str(iterations), str(art), *extra]
     text = run(cmd + (["--bf16"] if dtype == "bf16" else []))
     return json.loads(text.strip().splitlines()[-1])
 
@@ -202,24 +204,29 @@ def median_after_warmup(times_lists: list[list[float]]) -> float:
 
 
 def lora_table(r: int, iterations: int, rounds: int) -> list[str]:
-    """Our PPO and RLOO on the benchmark settings: full fine-tuning, LoRA rank r, and LoRA rank r with activation
-    checkpointing, alternating; s/iter (median after warm-up) and peak resident set (MB), each against full."""
+    """Our PPO and RLOO on the benchmark settings, and TRL's trainers with the same adapters (trl_side.py --lora-r):
+    full fine-tuning, LoRA rank r, and LoRA rank r with activation checkpointing, all runs of a round in turn;
+    s/iter (median after warm-up) and peak resident set (MB), each side's peak against its own full fine-tuning.
+    TRL's configs default activation checkpointing on: here it is off but in the checkpointing column, as ours."""
     art = artifacts.build()
     variants = {"full": (), f"LoRA r {r}": ("--lora-r", str(r)),
                 f"LoRA r {r} + checkpointing": ("--lora-r", str(r), "--gradient-checkpointing")}
     lines = ["| | " + " | ".join(f"{v} s/iter, peak MB" for v in variants) + " |", "| --- " * 4 + "|"]
     for algo in ("ppo", "rloo"):
-        runs = {v: [] for v in variants}
+        runs = {(side, v): [] for side in ("this repo", "TRL 1.12") for v in variants}
         for _ in range(rounds):
             for v, extra in variants.items():
-                runs[v].append(ours(algo, iterations, art, "fp32", False, extra))
-        cells = []
-        for v in variants:
-            seconds, peak = median_after_warmup([m["times"] for m in runs[v]]), max(m["peak_rss_mb"] for m in runs[v])
-            full_peak = max(m["peak_rss_mb"] for m in runs["full"])
-            cells.append(f"{seconds:.3f}, {peak:.0f} ({peak / full_peak:.2f}x)")
-        lines.append(f"| {algo.upper()} | " + " | ".join(cells) + " |")
-        print(lines[-1], flush=True)
+                runs["this repo", v].append(ours(algo, iterations, art, "fp32", False, extra))
+                trl_extra = extra if "--gradient-checkpointing" in extra else (*extra, "--no-gradient-checkpointing")
+                runs["TRL 1.12", v].append(theirs(algo, iterations, art, "fp32", trl_extra))
+        for side in ("this repo", "TRL 1.12"):
+            cells, full_peak = [], max(m["peak_rss_mb"] for m in runs[side, "full"])
+            for v in variants:
+                seconds = median_after_warmup([m["times"] for m in runs[side, v]])
+                peak = max(m["peak_rss_mb"] for m in runs[side, v])
+                cells.append(f"{seconds:.3f}, {peak:.0f} ({peak / full_peak:.2f}x)")
+            lines.append(f"| {algo.upper()}, {side} | " + " | ".join(cells) + " |")
+            print(lines[-1], flush=True)
     return lines
 
 
@@ -235,7 +242,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[1], help="seeds of the learning comparison")
     parser.add_argument("--episodes", type=int, default=64_000, help="episodes of the learning comparison")
     parser.add_argument("--lora-r", type=int, default=0,
-                        help="only our PPO and RLOO, full fine-tuning against LoRA adapters of this rank")
+                        help="only PPO and RLOO, both sides: full fine-tuning against LoRA adapters of this rank")
     args = parser.parse_args()
     if args.lora_r:
         print("\n".join(lora_table(args.lora_r, args.iterations, args.rounds)))
