@@ -719,7 +719,7 @@ def with_lora(model, lora: MemoryArgs, fsdp: bool) -> torch.nn.Module:
     """The model with fresh LoRA adapters (peft) when --lora-r > 0: they and a token classifier's head train, every
     other weight is frozen; as it is with --lora-r 0. With --gradient-checkpointing, its layers recompute their
     activations in the backward pass (only with gradients on: generation keeps its cache), which transformers does
-    in training mode only: the model is put in it (from_pretrained leaves it in eval mode; dropout is off anyway)."""
+    in training mode only: the model is put in it (from_pretrained leaves it in eval mode)."""
     if lora.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
@@ -1521,8 +1521,12 @@ def finish_run(policy, tokenizer, output_dir: Path, metrics_path: Path | None, r
 
 def load_weights(model, folder: Path, auto_cls) -> None:
     """Load a checkpoint's weights into the model: a whole model saved by save_pretrained, or, for a model with LoRA
-    adapters, its adapters (and heads) alone."""
-    if isinstance(model, peft.PeftModel):
+    adapters, its adapters (and heads) alone. A checkpoint of the other kind stops the run with one line."""
+    lora = isinstance(model, peft.PeftModel)
+    if lora != (folder / "adapter_config.json").exists():
+        fail("--lora-r", 0 if not lora else model.peft_config["default"].r, f"the checkpoint {folder.parent} was "
+             f"written {'without' if lora else 'with'} LoRA adapters: resume with the run's own --lora-r")
+    if lora:
         peft.set_peft_model_state_dict(model, peft.utils.load_peft_weights(str(folder)))
     else:
         model.load_state_dict(auto_cls.from_pretrained(folder).state_dict())

@@ -20,6 +20,8 @@ correct: for best-of-N reranking or per-step rewards in RL); `main()` below is o
 explains every numbered step and every logged metric.
 """
 
+from __future__ import annotations
+
 import copy
 import functools
 import json
@@ -31,11 +33,12 @@ import shutil
 import sys
 import time
 import zlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal, NoReturn
+from typing import Annotated, Any, Literal, NoReturn
 
 import datasets
+import peft
 import torch
 import tyro
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
@@ -119,6 +122,7 @@ class Args:
     """keep the newest this many checkpoints (0: all)"""
     resume: str | None = None
     """continue from a checkpoint folder (.../checkpoints/iter_000100), or 'latest' in --output-dir"""
+    memory: Annotated[MemoryArgs, tyro.conf.OmitArgPrefixes] = field(default_factory=lambda: MemoryArgs())
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -303,16 +307,23 @@ def main(args: Args) -> None:
         if warmup_steps and ckpt is None:
             warmup_loss = warm_start(lm.to(device), tokenizer, [tokenize(**r) for r in train_rows if all(r["labels"])],
                                      warmup_steps, lr, args.batch_size, args.seed, output_dir / "warmup_lm", rank)
+        elif warmup_steps and args.memory.lora_r:  # a LoRA checkpoint holds no base weights: they are the warm start's
+            if not (output_dir / "warmup_lm" / "model.safetensors").exists():
+                fail("--resume", args.resume, f"a LoRA checkpoint needs its base, the warm start's LM, in "
+                                              f"{output_dir / 'warmup_lm'}: resume in the run's own --output-dir")
+            lm = AutoModelForCausalLM.from_pretrained(output_dir / "warmup_lm")
         config = copy.deepcopy(lm.config)
         config.num_labels = 2
         model = AutoModelForTokenClassification.from_config(config)
         model.load_state_dict(lm.state_dict(), strict=False)  # all but the head (score.*)
     model.config.id2label, model.config.label2id = {0: "wrong", 1: "correct"}, {"wrong": 0, "correct": 1}
     model.config.pad_token_id = tokenizer.pad_token_id
+    model.train()  # from_pretrained leaves eval mode: train as the built-in model does (its dropout, checkpointing)
+    model = with_lora(model, args.memory, fsdp=False)  # --lora-r: adapters and the head train, the rest is frozen
     if ckpt is not None:
-        model.load_state_dict(AutoModelForTokenClassification.from_pretrained(ckpt / "model").state_dict())
+        load_weights(model, ckpt / "model", AutoModelForTokenClassification)
     model.to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    optimizer = torch.optim.AdamW(trainable(model), lr=lr)
 
     # ---- seeding per process (dropout differs between ranks), or the saved state of a resumed run
     random.seed(args.seed + rank)
@@ -461,6 +472,24 @@ def builtin_rows(rng: random.Random, n: int, held_out: bool) -> list[dict]:
 # Loading and checking the model and the data, batches of rows of similar length, the built-in model's warm start
 
 
+@dataclass
+class MemoryArgs:
+    """Less memory: LoRA adapters (the peft library), of which only they train (and a value model's head), the
+    reference being the policy with its adapters off (no copy); and activation checkpointing."""
+
+    lora_r: int = 0
+    """rank of the adapters (0: off, every weight trains)"""
+    lora_alpha: int | None = None
+    """the adapters' scale numerator (None: 2 x --lora-r)"""
+    lora_dropout: float = 0.0
+    """dropout on the adapters' input; only 0 is taken: dropout would change the logprobs between passes"""
+    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """modules that get adapters, by name ('all-linear': every linear layer but the output layer and heads)"""
+    gradient_checkpointing: bool = False
+    """recompute each layer's activations in the backward pass instead of keeping them (transformers' own
+    checkpointing, for the training forward passes): less memory, more compute"""
+
+
 def fail(flag: str, value: Any, fix: str) -> NoReturn:
     """Stop the run with one line that names the flag, its value and the fix (no traceback)."""
     raise SystemExit(f"error: {flag} {value!r}: {fix}")
@@ -477,6 +506,40 @@ def load_pretrained(auto_cls, name: str, flag: str, trust_remote_code: bool = Fa
         hint = "no such folder, and" if not os.path.isdir(name) else "the folder exists but"
         fail(flag, name, f"{hint} it cannot be loaded ({str(e).splitlines()[0][:120]}); give a folder written by "
                          "save_pretrained or a Hugging Face id (offline runs need a local folder)")
+
+
+def with_lora(model, lora: MemoryArgs, fsdp: bool) -> torch.nn.Module:
+    """The model with fresh LoRA adapters (peft) when --lora-r > 0: they and a token classifier's head train, every
+    other weight is frozen; as it is with --lora-r 0. With --gradient-checkpointing, its layers recompute their
+    activations in the backward pass (only with gradients on: generation keeps its cache), which transformers does
+    in training mode only: the model is put in it (from_pretrained leaves it in eval mode)."""
+    if lora.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+    if lora.lora_r < 0:
+        fail("--lora-r", lora.lora_r, "give the adapters' rank (0: no adapters, every weight trains)")
+    if lora.lora_r == 0:
+        return model
+    if lora.lora_dropout != 0:
+        fail("--lora-dropout", lora.lora_dropout, "dropout would change the logprobs between the rollout's and the "
+             "update's forward passes; leave it at 0")
+    if fsdp:
+        fail("--lora-r", lora.lora_r, "LoRA with --fsdp is not supported here: drop one of them")
+    causal_lm = model.get_output_embeddings() is not None  # a token classifier's head trains whole (modules_to_save)
+    targets = "all-linear" if lora.lora_target_modules == ["all-linear"] else lora.lora_target_modules  # peft's word
+    config = peft.LoraConfig(r=lora.lora_r, lora_alpha=lora.lora_alpha or 2 * lora.lora_r, lora_dropout=0.0,
+                             target_modules=targets, exclude_modules=None if causal_lm else ["score", "classifier"],
+                             task_type="CAUSAL_LM" if causal_lm else "TOKEN_CLS")
+    try:
+        return peft.get_peft_model(model, config)
+    except ValueError as e:
+        fail("--lora-target-modules", lora.lora_target_modules, f"{str(e).splitlines()[0][:160].rstrip('.')}; name "
+             "modules the model has (e.g. q_proj v_proj), or all-linear")
+
+
+def trainable(*models: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters the optimizer takes: all of them, or with LoRA the adapters' (and a value model's head)."""
+    return [p for model in models for p in model.parameters() if p.requires_grad]
 
 
 def model_context(model) -> int:
@@ -742,6 +805,19 @@ def set_rng_states(states: dict) -> None:
         torch.cuda.set_rng_state(states["cuda"])
 
 
+def load_weights(model, folder: Path, auto_cls) -> None:
+    """Load a checkpoint's weights into the model: a whole model saved by save_pretrained, or, for a model with LoRA
+    adapters, its adapters (and heads) alone. A checkpoint of the other kind stops the run with one line."""
+    lora = isinstance(model, peft.PeftModel)
+    if lora != (folder / "adapter_config.json").exists():
+        fail("--lora-r", 0 if not lora else model.peft_config["default"].r, f"the checkpoint {folder.parent} was "
+             f"written {'without' if lora else 'with'} LoRA adapters: resume with the run's own --lora-r")
+    if lora:
+        peft.set_peft_model_state_dict(model, peft.utils.load_peft_weights(str(folder)))
+    else:
+        model.load_state_dict(auto_cls.from_pretrained(folder).state_dict())
+
+
 def save_checkpoint(folder: Path, models: dict, weights: dict, tokenizer, state: dict, keep: int) -> None:
     """Write a checkpoint (each model in its own folder with its full_state_dict `weights`, the tokenizer beside the
     first) into a temporary folder, then rename it into place, so a crash never leaves a half one; keep the newest
@@ -796,8 +872,12 @@ def write_checkpoint(folder: Path, model, tokenizer, optimizer, state: dict, kee
 
 def close_run(args: Args, model, tokenizer, output_dir: Path, metrics_path: Path | None, run, rank: int) -> None:
     """Save the final model and print the last evaluation (rank 0), close wandb, and leave the process group once
-    every process is done."""
+    every process is done. With LoRA, the adapters and the head alone go to adapter/ and the model with the adapters
+    merged into its weights to model/."""
     if rank == 0:
+        if isinstance(model, peft.PeftModel):
+            model.save_pretrained(output_dir / "adapter")
+            model = model.merge_and_unload()
         model.save_pretrained(output_dir / "model")
         tokenizer.save_pretrained(output_dir / "model")
         final = json.loads(metrics_path.read_text().splitlines()[-1])

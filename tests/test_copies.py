@@ -18,7 +18,7 @@ SHARED_WITH_PRM = [
     "autocast", "BUILTIN_CHARS", "build_tokenizer", "build_tiny_model", "fail",
     "load_pretrained", "model_context", "world_size", "global_sum", "sync_gradients", "step_or_skip",
     "setup_distributed", "average_metrics", "open_run", "log_row", "rng_states", "set_rng_states", "save_checkpoint",
-    "find_checkpoint", "load_state",
+    "find_checkpoint", "load_state", "MemoryArgs", "with_lora", "trainable", "load_weights",
 ]
 COPIES = {
     "rloo.py": SHARED_ABOVE_MARKER,

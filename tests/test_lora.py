@@ -140,6 +140,15 @@ def test_bad_lora_flags_stop_with_one_line(args, flag, words):
     assert_one_line_error(result, flag, *words)
 
 
+def test_resuming_with_the_other_lora_setting_stops_with_one_line(tmp_path):
+    for written, resumed in ((["--lora-r", "4"], []), ([], ["--lora-r", "4"])):
+        out = tmp_path / f"run{len(written)}"
+        args = [*TINY, "--total-episodes", "16", "--save-every", "1"]
+        assert run_script("ppo.py", *args, *written, "--output-dir", out).returncode == 0
+        result = run_script("ppo.py", *args, *resumed, "--output-dir", out, "--resume", "latest")
+        assert_one_line_error(result, "--lora-r", "without" if resumed else "with LoRA", "the run's own --lora-r")
+
+
 @pytest.mark.parametrize("lora_r", [0, 4])
 def test_gradient_checkpointing_recomputes_the_layers_and_gives_the_same_step(lora_r, monkeypatch):
     results = []
