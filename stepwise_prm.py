@@ -300,6 +300,8 @@ def main(args: Args) -> None:
     # ---- the token classifier: the built-in LM after its warm start under a fresh 2-label head, or --model
     lr = args.learning_rate or (1e-3 if builtin else 1e-5)
     warmup_loss = None
+    if builtin and args.memory.lora_r:  # the LoRA flags checked before the warm start rather than after it
+        with_lora(copy.deepcopy(model), args.memory, fsdp=False)
     if builtin:
         # 6. Built-in model: a causal-LM warm start on the all-correct solutions, then a fresh 2-label head.
         lm = model

@@ -153,5 +153,7 @@ def test_a_lora_run_resumes_exactly(lora_run, tmp_path):
     (["--lora-r", "4", "--lora-target-modules", "nosuchmodule"], "--lora-target-modules", ["nosuchmodule"]),
 ])
 def test_bad_lora_flags_stop_with_one_line(args, flag, words, tmp_path):
-    result = run_script("stepwise_prm.py", *TINY, "--warmup-steps", "0", *args, "--output-dir", tmp_path / "run")
+    """Before the built-in model's warm start (1,500 steps by default), not after it."""
+    result = run_script("stepwise_prm.py", *TINY, *args, "--output-dir", tmp_path / "run")
     assert_one_line_error(result, flag, *words)
+    assert not (tmp_path / "run" / "warmup_lm").exists()
