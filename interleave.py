@@ -286,7 +286,7 @@ def main(args: Args) -> None:
     for name, phase, num_labels in (("value", "ppo", 1), ("prm", "prm", 2)):
         if phase in args.phases:
             models[name] = ppo.token_classifier_from(policy, num_labels, "--model", f"drop the {phase} phase")
-    models = {name: ppo.with_lora(model, args.memory, args.fsdp) for name, model in models.items()}
+    models = {name: ppo.with_lora(model, args.memory) for name, model in models.items()}
     policy = models["policy"]
     context = ppo.model_context(policy)
     sources = {p: load_phase(args, p, tokenizer, context) for p in args.phases}

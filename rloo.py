@@ -435,7 +435,7 @@ def main(args: Args) -> None:
     tokenizer, policy = load_policy(args.model, args.trust_remote_code)
     # 7. Models: a frozen copy of the policy is the reference (with LoRA, the policy with its adapters off).
     ref_policy = None if args.memory.lora_r else disable_dropout(copy.deepcopy(policy)).eval().requires_grad_(False)
-    policy = with_lora(policy, args.memory, args.fsdp)
+    policy = with_lora(policy, args.memory)
     task = load_task(args.task, tokenizer, model_context(policy), gen.max_new_tokens, args.trust_remote_code, world)
     if ckpt is not None:
         load_weights(policy, ckpt / "policy", AutoModelForCausalLM)
@@ -715,7 +715,7 @@ def token_classifier_from(lm, num_labels: int, flag: str, fix: str) -> torch.nn.
     return model
 
 
-def with_lora(model, lora: MemoryArgs, fsdp: bool) -> torch.nn.Module:
+def with_lora(model, lora: MemoryArgs) -> torch.nn.Module:
     """The model with fresh LoRA adapters (peft) when --lora-r > 0: they and a token classifier's head train, every
     other weight is frozen; as it is with --lora-r 0. With --gradient-checkpointing, its layers recompute their
     activations in the backward pass (only with gradients on: generation keeps its cache), which transformers does
@@ -730,8 +730,6 @@ def with_lora(model, lora: MemoryArgs, fsdp: bool) -> torch.nn.Module:
     if lora.lora_dropout != 0:
         fail("--lora-dropout", lora.lora_dropout, "dropout would change the logprobs between the rollout's and the "
              "update's forward passes; leave it at 0")
-    if fsdp:
-        fail("--lora-r", lora.lora_r, "LoRA with --fsdp is not supported here: drop one of them")
     causal_lm = model.get_output_embeddings() is not None  # a token classifier's head trains whole (modules_to_save)
     targets = "all-linear" if lora.lora_target_modules == ["all-linear"] else lora.lora_target_modules  # peft's word
     config = peft.LoraConfig(r=lora.lora_r, lora_alpha=lora.lora_alpha or 2 * lora.lora_r, lora_dropout=0.0,
@@ -1305,11 +1303,15 @@ def setup_distributed() -> tuple[int, int, torch.device]:
 
 
 def shard(model: torch.nn.Module, mesh) -> torch.nn.Module:
-    """FSDP2: shard each decoder layer (the classes a Hugging Face model lists in _no_split_modules), then the rest."""
+    """FSDP2: shard each decoder layer (the classes a Hugging Face model lists in _no_split_modules), then the rest.
+    With LoRA, the rest is the model inside peft's wrapper, whose forward every call (generate's too) goes through."""
     layers = set(getattr(model, "_no_split_modules", None) or [])
     for module in model.modules():
         if type(module).__name__ in layers:
             fully_shard(module, mesh=mesh)
+    if isinstance(model, peft.PeftModel):
+        fully_shard(model.get_base_model(), mesh=mesh)
+        return model
     return fully_shard(model, mesh=mesh)
 
 

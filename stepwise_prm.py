@@ -301,7 +301,7 @@ def main(args: Args) -> None:
     lr = args.learning_rate or (1e-3 if builtin else 1e-5)
     warmup_loss = None
     if builtin and args.memory.lora_r:  # the LoRA flags checked before the warm start rather than after it
-        with_lora(copy.deepcopy(model), args.memory, fsdp=False)
+        with_lora(copy.deepcopy(model), args.memory)
     if builtin:
         # 6. Built-in model: a causal-LM warm start on the all-correct solutions, then a fresh 2-label head.
         lm = model
@@ -321,7 +321,7 @@ def main(args: Args) -> None:
     model.config.id2label, model.config.label2id = {0: "wrong", 1: "correct"}, {"wrong": 0, "correct": 1}
     model.config.pad_token_id = tokenizer.pad_token_id
     model.train()  # from_pretrained leaves eval mode: train as the built-in model does (its dropout, checkpointing)
-    model = with_lora(model, args.memory, fsdp=False)  # --lora-r: adapters and the head train, the rest is frozen
+    model = with_lora(model, args.memory)  # --lora-r: adapters and the head train, the rest is frozen
     if ckpt is not None:
         load_weights(model, ckpt / "model", AutoModelForTokenClassification)
     model.to(device)
@@ -510,7 +510,7 @@ def load_pretrained(auto_cls, name: str, flag: str, trust_remote_code: bool = Fa
                          "save_pretrained or a Hugging Face id (offline runs need a local folder)")
 
 
-def with_lora(model, lora: MemoryArgs, fsdp: bool) -> torch.nn.Module:
+def with_lora(model, lora: MemoryArgs) -> torch.nn.Module:
     """The model with fresh LoRA adapters (peft) when --lora-r > 0: they and a token classifier's head train, every
     other weight is frozen; as it is with --lora-r 0. With --gradient-checkpointing, its layers recompute their
     activations in the backward pass (only with gradients on: generation keeps its cache), which transformers does
@@ -525,8 +525,6 @@ def with_lora(model, lora: MemoryArgs, fsdp: bool) -> torch.nn.Module:
     if lora.lora_dropout != 0:
         fail("--lora-dropout", lora.lora_dropout, "dropout would change the logprobs between the rollout's and the "
              "update's forward passes; leave it at 0")
-    if fsdp:
-        fail("--lora-r", lora.lora_r, "LoRA with --fsdp is not supported here: drop one of them")
     causal_lm = model.get_output_embeddings() is not None  # a token classifier's head trains whole (modules_to_save)
     targets = "all-linear" if lora.lora_target_modules == ["all-linear"] else lora.lora_target_modules  # peft's word
     config = peft.LoraConfig(r=lora.lora_r, lora_alpha=lora.lora_alpha or 2 * lora.lora_r, lora_dropout=0.0,

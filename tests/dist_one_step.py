@@ -1,8 +1,9 @@
 """Launched by tests/test_distributed.py under torchrun: one ppo_step or rloo_step on a fixed global batch, split over
-the processes (plain data parallel, or FSDP2 with --fsdp; with --lora, LoRA adapters and no reference copy); rank 0
+the processes (plain data parallel, or FSDP2 with --fsdp; with --lora, LoRA adapters and no reference copy, with
+or without FSDP2); rank 0
 saves the resulting parameters.
 
-    torchrun --nproc_per_node 2 tests/dist_one_step.py ppo out.pt [--fsdp | --lora]
+    torchrun --nproc_per_node 2 tests/dist_one_step.py ppo out.pt [--fsdp] [--lora]
 """
 
 import os
@@ -27,7 +28,7 @@ def main(algo: str, out: str, fsdp: bool, lora: bool) -> None:
     value = ppo.disable_dropout(ppo.AutoModelForTokenClassification.from_config(config))
     if lora:  # adapters on the policy and the value model; the reference is the policy with its adapters off
         memory = ppo.MemoryArgs(lora_r=4)
-        policy, value, ref = ppo.with_lora(policy, memory, False), ppo.with_lora(value, memory, False), None
+        policy, value, ref = ppo.with_lora(policy, memory), ppo.with_lora(value, memory), None
     # the global batch: 4 prompts x 4 responses of different lengths, identical in every process
     gen = torch.Generator().manual_seed(1)
     queries = ppo.left_pad([tokenizer(f"{i}+{i * 3}=").input_ids for i in range(4)], tokenizer.pad_token_id)
@@ -40,7 +41,7 @@ def main(algo: str, out: str, fsdp: bool, lora: bool) -> None:
     mine = slice(rank * 16 // world, (rank + 1) * 16 // world)
     models = [policy, value] if algo == "ppo" else [policy]
     for model in [*models, ref]:
-        if fsdp:
+        if fsdp and model is not None:
             ppo.shard(model, init_device_mesh(device.type, (world,)))
     optimizer = torch.optim.SGD([p for m in models for p in m.parameters() if p.requires_grad], lr=0.5)
     common = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)

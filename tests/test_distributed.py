@@ -1,6 +1,6 @@
 """Scale out and never lose a run: each script under torchrun (gloo, 2 processes), one optimisation step equal with
-1 and 2 processes (plain data parallel and FSDP2), a run killed with SIGKILL and resumed equal to one left alone,
-and the NaN/inf guard."""
+1 and 2 processes (plain data parallel and FSDP2, with and without LoRA), a run killed with SIGKILL and resumed equal
+to one left alone, and the NaN/inf guard."""
 
 import json
 import os
@@ -11,6 +11,7 @@ import sys
 import textwrap
 import time
 
+import peft
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -33,6 +34,7 @@ def rows_of(run_dir):
 
 
 @pytest.mark.parametrize("script, extra", [("ppo.py", []), ("ppo.py", ["--fsdp"]), ("ppo.py", ["--lora-r", "4"]),
+                                           ("ppo.py", ["--fsdp", "--lora-r", "4"]),
                                            ("rloo.py", []),
                                            ("rloo.py", ["--fsdp"]), ("interleave.py", ["--phases", "sft", "ppo"]),
                                            ("interleave.py", ["--fsdp"]), ("stepwise_prm.py", [])])
@@ -50,15 +52,31 @@ def test_script_under_torchrun(script, extra, tmp_path):
     assert model.config.architectures[0].startswith("Llama")
 
 
+def test_lora_under_fsdp_saves_the_merged_model_and_the_adapter_which_agree(tmp_path, tiny_model_dir):
+    """The adapters merge into weights sharded over 2 processes, gathered whole on rank 0."""
+    out = tmp_path / "run"
+    result = run_script("ppo.py", *TINY["ppo.py"], "--model", tiny_model_dir, "--learning-rate", "1e-2", "--fsdp",
+                        "--lora-r", "4", "--output-dir", out, launcher=TORCHRUN)
+    assert result.returncode == 0, result.stderr[-4000:]
+    merged = ppo.AutoModelForCausalLM.from_pretrained(out / "model")
+    adapted = peft.PeftModel.from_pretrained(ppo.AutoModelForCausalLM.from_pretrained(tiny_model_dir), out / "adapter")
+    base = ppo.AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        logits = [m(input_ids=ids).logits for m in (merged, adapted, base)]
+    assert (logits[0] - logits[1]).abs().max() < 1e-4  # merged weights = base + adapters
+    assert (logits[0] - logits[2]).abs().max() > 1e-4  # and training moved them off the base
+
+
 @pytest.mark.parametrize("algo", ["ppo", "rloo"])
 def test_one_step_equal_with_one_and_two_processes(algo, tmp_path):
     """Same global batch, one SGD step: 2 processes (data parallel or FSDP2) give the 1-process parameters within
     1e-6 (float32 sums in another order)."""
     out = {}
-    for n, mode in [(1, ""), (2, ""), (2, "--fsdp"), (1, "--lora"), (2, "--lora")]:
+    for n, mode in [(1, ""), (2, ""), (2, "--fsdp"), (1, "--lora"), (2, "--lora"), (2, "--fsdp --lora")]:
         path = tmp_path / f"{n}{mode}.pt"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n),
-               str(ROOT / "tests" / "dist_one_step.py"), algo, str(path), *([mode] if mode else [])]
+               str(ROOT / "tests" / "dist_one_step.py"), algo, str(path), *mode.split()]
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert result.returncode == 0, result.stderr[-4000:]
@@ -69,11 +87,12 @@ def test_one_step_equal_with_one_and_two_processes(algo, tmp_path):
     for key in [(2, ""), (2, "--fsdp")]:
         for name, value in out[(1, "")].items():
             torch.testing.assert_close(out[key][name], value, atol=1e-6, rtol=0)
-    # LoRA under data parallelism: the adapters' gradients are averaged like any others
-    assert out[(2, "--lora")].keys() == out[(1, "--lora")].keys()
+    # LoRA under data parallelism and under FSDP2: the adapters' gradients are averaged like any others
     assert any("lora_B" in name and value.abs().max() > 0 for name, value in out[(1, "--lora")].items())
-    for name, value in out[(1, "--lora")].items():
-        torch.testing.assert_close(out[(2, "--lora")][name], value, atol=1e-6, rtol=0)
+    for mode in ("--lora", "--fsdp --lora"):
+        assert out[(2, mode)].keys() == out[(1, "--lora")].keys()
+        for name, value in out[(1, "--lora")].items():
+            torch.testing.assert_close(out[(2, mode)][name], value, atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("script", ["ppo.py", "rloo.py"])

@@ -29,8 +29,8 @@ def lora_models(seed: int = 0):
     frozen_base = copy.deepcopy(base).eval().requires_grad_(False)
     value = ppo.token_classifier_from(base, 1, "--model", "test")
     value.config.pad_token_id = tokenizer.pad_token_id
-    policy = ppo.disable_dropout(ppo.with_lora(base, ppo.MemoryArgs(lora_r=4), fsdp=False))
-    value = ppo.disable_dropout(ppo.with_lora(value, ppo.MemoryArgs(lora_r=4), fsdp=False))
+    policy = ppo.disable_dropout(ppo.with_lora(base, ppo.MemoryArgs(lora_r=4)))
+    value = ppo.disable_dropout(ppo.with_lora(value, ppo.MemoryArgs(lora_r=4)))
     with torch.no_grad():
         for name, p in policy.named_parameters():
             if "lora_B" in name:
@@ -169,8 +169,8 @@ def test_gradient_checkpointing_recomputes_the_layers_and_gives_the_same_step(lo
         value = ppo.token_classifier_from(base, 1, "--model", "test")
         value.config.pad_token_id = tokenizer.pad_token_id
         memory = ppo.MemoryArgs(lora_r=lora_r, gradient_checkpointing=checkpointing)
-        policy = ppo.disable_dropout(ppo.with_lora(base, memory, fsdp=False))
-        value = ppo.disable_dropout(ppo.with_lora(value, memory, fsdp=False))
+        policy = ppo.disable_dropout(ppo.with_lora(base, memory))
+        value = ppo.disable_dropout(ppo.with_lora(value, memory))
         calls.clear()
         trained = [p for m in (policy, value) for p in m.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(trained, lr=1e-2, eps=1e-5)
@@ -187,7 +187,7 @@ def test_gradient_checkpointing_recomputes_the_layers_and_gives_the_same_step(lo
 
 def test_gradient_checkpointing_is_on_for_a_model_loaded_in_eval_mode(tiny_model_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)  # from_pretrained leaves it in eval mode
-    model = ppo.with_lora(model, ppo.MemoryArgs(gradient_checkpointing=True), fsdp=False)
+    model = ppo.with_lora(model, ppo.MemoryArgs(gradient_checkpointing=True))
     assert model.training and all(layer.gradient_checkpointing for layer in model.model.layers)
 
 
@@ -207,7 +207,7 @@ def test_rloo_logprobs_with_checkpointed_layers_equal_the_shared_prefix_ones():
     queries = queries[:2]  # 2 prompts x k = 4 responses
     valid = ppo.response_valid_mask(responses, tokenizer.pad_token_id, tokenizer.eos_token_id)
     shared = rloo.shared_prefix_logprobs(model, queries, responses, valid, tokenizer.pad_token_id, 1.0)[0]
-    rloo.with_lora(model, rloo.MemoryArgs(gradient_checkpointing=True), fsdp=False)
+    rloo.with_lora(model, rloo.MemoryArgs(gradient_checkpointing=True))
     full = rloo.shared_prefix_logprobs(model, queries, responses, valid, tokenizer.pad_token_id, 1.0)[0]
     shared.sum().backward()  # both differentiable
     full.sum().backward()

@@ -29,7 +29,7 @@ def classifier(lora_r: int = 0, gradient_checkpointing: bool = False):
     config.num_labels = 2
     model = AutoModelForTokenClassification.from_config(config)
     memory = prm.MemoryArgs(lora_r=lora_r, gradient_checkpointing=gradient_checkpointing)
-    return tokenizer, prm.with_lora(model, memory, fsdp=False)
+    return tokenizer, prm.with_lora(model, memory)
 
 
 def rows(tokenizer, n: int = 12) -> list[dict]:
