@@ -91,7 +91,8 @@ def test_exactly_in_the_docs_is_said_only_where_it_holds():
                "exactly as the standalone", "exactly with one mini-batch", "exactly the packages",
                "exactly the gradient of KL",
                "gradients exactly, summing", "reads exactly what training read",
-               "state and resume exactly"]  # LoRA checkpoints: test_lora.py's resume test (bit-identical weights)
+               "state and resume exactly",  # LoRA checkpoints: test_lora.py's resume test (bit-identical weights)
+               "optimizer states, and resume exactly"]  # interleave.py with LoRA: test_interleave_lora.py's
     for page in PAGES:
         text = page.read_text()
         for m in re.finditer(r"exactly", text):
