@@ -73,7 +73,9 @@ def test_one_step_equal_with_one_and_two_processes(algo, tmp_path):
     """Same global batch, one SGD step: 2 processes (data parallel or FSDP2) give the 1-process parameters within
     1e-6 (float32 sums in another order)."""
     out = {}
-    for n, mode in [(1, ""), (2, ""), (2, "--fsdp"), (1, "--lora"), (2, "--lora"), (2, "--fsdp --lora")]:
+    modes = [(1, ""), (2, ""), (2, "--fsdp"), (1, "--lora"), (2, "--lora")]
+    modes += [(2, "--fsdp --lora")] if algo == "ppo" else []  # the sharding is the scripts' shared machinery
+    for n, mode in modes:
         path = tmp_path / f"{n}{mode}.pt"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n),
                str(ROOT / "tests" / "dist_one_step.py"), algo, str(path), *mode.split()]
@@ -89,7 +91,7 @@ def test_one_step_equal_with_one_and_two_processes(algo, tmp_path):
             torch.testing.assert_close(out[key][name], value, atol=1e-6, rtol=0)
     # LoRA under data parallelism and under FSDP2: the adapters' gradients are averaged like any others
     assert any("lora_B" in name and value.abs().max() > 0 for name, value in out[(1, "--lora")].items())
-    for mode in ("--lora", "--fsdp --lora"):
+    for mode in [mode for n, mode in modes if n == 2 and "--lora" in mode]:
         assert out[(2, mode)].keys() == out[(1, "--lora")].keys()
         for name, value in out[(1, "--lora")].items():
             torch.testing.assert_close(out[(2, mode)][name], value, atol=1e-6, rtol=0)

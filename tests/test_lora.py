@@ -141,12 +141,13 @@ def test_bad_lora_flags_stop_with_one_line(args, flag, words):
 
 
 def test_resuming_with_the_other_lora_setting_stops_with_one_line(tmp_path):
-    for written, resumed in ((["--lora-r", "4"], []), ([], ["--lora-r", "4"])):
-        out = tmp_path / f"run{len(written)}"
-        args = [*TINY, "--total-episodes", "16", "--save-every", "1"]
-        assert run_script("ppo.py", *args, *written, "--output-dir", out).returncode == 0
-        result = run_script("ppo.py", *args, *resumed, "--output-dir", out, "--resume", "latest")
-        assert_one_line_error(result, "--lora-r", "without" if resumed else "with LoRA", "the run's own --lora-r")
+    """load_weights, as every script's resume calls it, on a checkpoint written with the other --lora-r setting."""
+    tokenizer, policy, frozen_base, _ = lora_models()
+    policy.save_pretrained(tmp_path / "lora" / "policy")  # the adapters alone, as a LoRA run's checkpoint holds them
+    frozen_base.save_pretrained(tmp_path / "full" / "policy")
+    for model, folder, words in ((frozen_base, "lora", "with LoRA"), (policy, "full", "without")):
+        with pytest.raises(SystemExit, match=rf"^error: --lora-r \d+: .*{words}.*the run's own --lora-r$"):
+            ppo.load_weights(model, tmp_path / folder / "policy", AutoModelForCausalLM)
 
 
 @pytest.mark.parametrize("lora_r", [0, 4])
