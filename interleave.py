@@ -26,7 +26,6 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Annotated, Literal
 
-import peft
 import torch
 import tyro
 from tqdm import tqdm
@@ -387,17 +386,8 @@ def main(args: Args) -> None:
                                     state, args.keep_checkpoints)
 
     for name, model in models.items():  # model/ (the policy), value/, prm/; with LoRA merged, the adapters beside
-        folder = output_dir / ("model" if name == "policy" else name)
-        if isinstance(model, peft.PeftModel):
-            weights = ppo.full_state_dict(model)
-            if rank == 0:
-                model.save_pretrained(output_dir / ("adapter" if name == "policy" else f"{name}_adapter"),
-                                      state_dict=weights)
-            model = model.merge_and_unload()
-        weights = ppo.full_state_dict(model)
-        if rank == 0:
-            model.save_pretrained(folder, state_dict=weights)
-            tokenizer.save_pretrained(folder)
+        folder, adapter = ("model", "adapter") if name == "policy" else (name, f"{name}_adapter")
+        ppo.save_model(model, tokenizer, output_dir / folder, output_dir / adapter, rank)
     if rank == 0:
         final = json.loads(metrics_path.read_text().splitlines()[-1])
         print(f"final task/accuracy {final.get('task/accuracy')} after {args.total_steps} steps in "

@@ -1502,15 +1502,8 @@ def finish_run(policy, tokenizer, output_dir: Path, metrics_path: Path | None, r
     """Save the final model (gathered from every process, written by rank 0) and say where, close wandb, and leave
     the process group once every process is done. With LoRA, the adapters alone go to adapter/ and the model with
     them merged into its weights to model/."""
-    if isinstance(policy, peft.PeftModel):
-        weights = full_state_dict(policy)
-        if rank == 0:
-            policy.save_pretrained(output_dir / "adapter", state_dict=weights)
-        policy = policy.merge_and_unload()
-    weights = full_state_dict(policy)
+    save_model(policy, tokenizer, output_dir / "model", output_dir / "adapter", rank)
     if rank == 0:
-        policy.save_pretrained(output_dir / "model", state_dict=weights)
-        tokenizer.save_pretrained(output_dir / "model")
         final = json.loads(metrics_path.read_text().splitlines()[-1])
         print(f"final task/accuracy {final.get('task/accuracy')} eval/scores {final.get('eval/scores')} after "
               f"{final['episode']} episodes in {final['elapsed_s']:.0f}s; model in {output_dir / 'model'}")
@@ -1519,6 +1512,20 @@ def finish_run(policy, tokenizer, output_dir: Path, metrics_path: Path | None, r
     if torch.distributed.is_initialized():
         torch.distributed.barrier()  # no process tears the group down while another still uses it (saving)
         torch.distributed.destroy_process_group()
+
+
+def save_model(model, tokenizer, folder: Path, adapter_folder: Path, rank: int) -> None:
+    """Save a model whole (gathered from every process, written by rank 0) with the tokenizer; with LoRA, its
+    adapters (and heads) alone to adapter_folder first, then the model with them merged into its weights."""
+    if isinstance(model, peft.PeftModel):
+        weights = full_state_dict(model)
+        if rank == 0:
+            model.save_pretrained(adapter_folder, state_dict=weights)
+        model = model.merge_and_unload()
+    weights = full_state_dict(model)
+    if rank == 0:
+        model.save_pretrained(folder, state_dict=weights)
+        tokenizer.save_pretrained(folder)
 
 
 def load_weights(model, folder: Path, auto_cls) -> None:
