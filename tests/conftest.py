@@ -1,8 +1,12 @@
 """Shared test set-up: offline, real tiny models and tokenizers, and a helper that runs a script as a user would."""
 
+import contextlib
+import io
 import os
+import runpy
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 import pytest
@@ -19,6 +23,48 @@ def run_script(script: str, *args: str, cwd: Path | None = None, env: dict | Non
     cmd = [*(launcher or [sys.executable]), str(ROOT / script), *map(str, args)]
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(cmd, cwd=cwd or ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def run_main(script: str, *args: str, cwd: Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run the script's `if __name__ == "__main__":` block in this process, as `python <script> args...` runs it
+    (the same sys.argv, working folder, environment, one thread, the script's folder first on sys.path), and return what
+    run_script would: the exit code, stdout, and stderr ending with what Python prints when it exits, the message of
+    SystemExit("...") (exit code 1) or the traceback of any other exception. For the bad-input tests and the docs'
+    commands, which run in seconds or less, where a new process spends about 6 s importing torch and transformers
+    (tests/test_cli.py checks that both ways end alike). Modules imported from
+    the run's folder (the user's reward files) are forgotten afterwards, so the next run imports its own."""
+    import torch
+
+    saved = sys.argv, sys.path[:], set(sys.modules), dict(os.environ), os.getcwd(), torch.get_num_threads()
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    folder = Path(cwd or ROOT).resolve()
+    try:
+        os.chdir(folder)
+        os.environ.update({k: str(v) for k, v in (env or {}).items()})
+        argv = sys.argv = [str(ROOT / script), *map(str, args)]
+        sys.path.insert(0, str(ROOT))
+        torch.set_num_threads(1)  # as run_script's OMP_NUM_THREADS=1
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                runpy.run_path(str(ROOT / script), run_name="__main__")
+            except SystemExit as e:
+                if isinstance(e.code, str):
+                    print(e.code, file=sys.stderr)
+                code = e.code if isinstance(e.code, int) else int(e.code is not None)
+            except Exception:
+                traceback.print_exc()
+                code = 1
+    finally:
+        sys.argv, sys.path[:] = saved[0], saved[1]
+        os.environ.clear()
+        os.environ.update(saved[3])
+        os.chdir(saved[4])
+        torch.set_num_threads(saved[5])
+        for name in set(sys.modules) - saved[2]:
+            file = getattr(sys.modules[name], "__file__", None)
+            if folder != ROOT and file and Path(file).resolve().is_relative_to(folder):
+                del sys.modules[name]
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess, flag: str, *words: str) -> str:
@@ -59,3 +105,4 @@ def tiny_prm_dir(tmp_path_factory) -> Path:
     ppo.AutoModelForTokenClassification.from_config(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+

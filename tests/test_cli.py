@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from conftest import assert_one_line_error, run_script
+from conftest import assert_one_line_error, run_main, run_script
 
 SCRIPTS = ["ppo.py", "rloo.py"]
 TINY = ["--total-episodes", "32", "--batch-size", "16", "--num-mini-batches", "2", "--eval-every", "1",
@@ -183,8 +183,24 @@ def test_save_then_resume_gives_the_same_run(script, tmp_path):
 ])
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_bad_input_is_one_line(script, args, flag, words, user_files, tmp_path):
-    result = run_script(script, *TINY, *args, "--output-dir", tmp_path / "run", cwd=user_files, timeout=300)
+    result = run_main(script, *TINY, *args, "--output-dir", tmp_path / "run", cwd=user_files)
     assert_one_line_error(result, flag, *words)
+
+
+@pytest.mark.parametrize("script, args", [
+    ("ppo.py", ["--prompt-fn", "my_prompts:digits", "--reward-fn", "my_rewards:nope"]),
+    ("rloo.py", ["--batch-size", "30", "--num-mini-batches", "4"]),
+    ("stepwise_prm.py", ["--resume", "no_such_checkpoint"]),
+    ("interleave.py", ["--sft.batch-size", "0"]),
+])
+def test_bad_input_runs_in_a_process_and_in_this_one_alike(script, args, user_files, tmp_path):
+    """The bad-input tests call run_main (the script's __main__ block in the test's process); here the same input
+    stops a real `python <script>` process with the same exit code and the same one-line error."""
+    alone = run_script(script, *args, "--output-dir", tmp_path / "a", cwd=user_files)
+    here = run_main(script, *args, "--output-dir", tmp_path / "b", cwd=user_files)
+    assert alone.returncode == here.returncode == 1
+    assert alone.stderr.strip().splitlines()[-1] == here.stderr.strip().splitlines()[-1].replace("/b", "/a")
+    assert "Traceback" not in alone.stderr + here.stderr
 
 
 def test_rloo_needs_two_samples_per_prompt(tmp_path):

@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from conftest import assert_one_line_error, run_script
+from conftest import assert_one_line_error, run_main, run_script
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 RL_TINY = ["--total-episodes", "32", "--batch-size", "16", "--num-mini-batches", "2", "--num-ppo-epochs", "2",
@@ -78,7 +78,7 @@ def test_a_reward_without_prompts_scores_the_builtin_prompts(script, reward, tmp
 ])
 def test_interleave_checks_name_the_right_flag(args, world, flag, words, tmp_path):
     """WORLD_SIZE as torchrun sets it: the check runs before the process group exists, so no group is needed here."""
-    result = run_script("interleave.py", *INTERLEAVE_TINY, *args, "--output-dir", tmp_path, env={"WORLD_SIZE": world})
+    result = run_main("interleave.py", *INTERLEAVE_TINY, *args, "--output-dir", tmp_path, env={"WORLD_SIZE": world})
     assert_one_line_error(result, flag, *words)
 
 

@@ -14,7 +14,7 @@ import interleave
 import ppo
 import rloo
 import stepwise_prm
-from conftest import assert_one_line_error, run_script
+from conftest import assert_one_line_error, run_main, run_script
 from interleave import Args, SFTPhase, Turn
 
 
@@ -178,4 +178,4 @@ def test_rl_phases_with_a_prm_as_their_only_reward_train_on_its_step_scores(tmp_
     (["--rloo.prompt-fn", "ppo:addition_prompt"], "--rloo.reward-fn", ["need a reward", "give --rloo.reward-fn"]),
 ])
 def test_bad_config_is_one_line(args, flag, words, tmp_path):
-    assert_one_line_error(run_script("interleave.py", *args, "--output-dir", tmp_path), flag, *words)
+    assert_one_line_error(run_main("interleave.py", *args, "--output-dir", tmp_path), flag, *words)

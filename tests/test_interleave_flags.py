@@ -4,7 +4,7 @@ loading, from loading a phase's data, or from a reward function called during th
 
 import pytest
 
-from conftest import assert_one_line_error, run_script
+from conftest import assert_one_line_error, run_main
 
 TINY = ["--total-steps", "2", "--eval-every", "2", "--sft.batch-size", "8", "--rloo.batch-size", "8",
         "--ppo.batch-size", "8", "--prm.batch-size", "8"]
@@ -32,7 +32,7 @@ def test_errors_name_the_phase_flags(args, flag, words, tmp_path):
     (tmp_path / "demos.txt").write_text("not a table\n")
     (tmp_path / "steps.txt").write_text("not a table\n")
     (tmp_path / "raises.py").write_text(RAISES)
-    result = run_script("interleave.py", *TINY, *args, "--output-dir", tmp_path / "run", cwd=tmp_path)
+    result = run_main("interleave.py", *TINY, *args, "--output-dir", tmp_path / "run", cwd=tmp_path)
     line = assert_one_line_error(result, flag, *words)
     assert " --reward" not in line and " --dataset" not in line, line  # no unprefixed flag left in the fix either
 

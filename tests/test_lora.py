@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 import ppo
 import rloo
-from conftest import assert_one_line_error, run_script
+from conftest import assert_one_line_error, run_main, run_script
 from test_ppo import batch
 
 TINY = ["--total-episodes", "32", "--batch-size", "16", "--num-mini-batches", "2", "--eval-every", "1",
@@ -136,7 +136,7 @@ def test_a_lora_run_resumes_exactly(script, tmp_path):
     (["--lora-r", "4", "--lora-dropout", "0.1"], "--lora-dropout", ["leave it at 0"]),
 ])
 def test_bad_lora_flags_stop_with_one_line(args, flag, words):
-    result = run_script("ppo.py", *TINY, *args, "--output-dir", "/tmp/never_written_lora")
+    result = run_main("ppo.py", *TINY, *args, "--output-dir", "/tmp/never_written_lora")
     assert_one_line_error(result, flag, *words)
 
 

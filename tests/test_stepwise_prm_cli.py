@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForTokenClassification, AutoTokenizer
 
 import stepwise_prm as prm
-from conftest import assert_one_line_error, run_script
+from conftest import assert_one_line_error, run_main, run_script
 
 TINY = ["--num-train-rows", "200", "--num-eval-rows", "40", "--best-of-n", "4", "--warmup-steps", "10",
         "--total-steps", "4", "--batch-size", "16", "--eval-every", "2"]
@@ -140,7 +140,7 @@ def test_save_then_resume_gives_the_same_run(tmp_path):
     (["--resume", "no_such_checkpoint"], "--resume", ["not a checkpoint folder"]),
 ])
 def test_bad_input_is_one_line(args, flag, words, data, tmp_path):
-    result = run_script("stepwise_prm.py", *TINY, *args, "--output-dir", tmp_path / "run", cwd=data, timeout=300)
+    result = run_main("stepwise_prm.py", *TINY, *args, "--output-dir", tmp_path / "run", cwd=data)
     assert_one_line_error(result, flag, *words)
 
 
