@@ -106,3 +106,25 @@ def tiny_prm_dir(tmp_path_factory) -> Path:
     tokenizer.save_pretrained(path)
     return path
 
+
+def assert_merged_is_base_plus_adapter(merged_dir: Path, base_dir: Path, adapter_dir: Path, auto_cls=None,
+                                       ids=None, tol: float = 1e-4, **base_kwargs):
+    """A LoRA run's saved pair agrees: the merged model (merged_dir) and the base (base_dir) with the adapter
+    (adapter_dir) loaded through peft give the same logits within tol, and training moved them off the base's.
+    Returns the merged model."""
+    import copy
+
+    import peft
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    auto_cls = auto_cls or AutoModelForCausalLM
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]]) if ids is None else ids
+    merged = auto_cls.from_pretrained(merged_dir)
+    base = auto_cls.from_pretrained(base_dir, **base_kwargs)
+    adapted = peft.PeftModel.from_pretrained(copy.deepcopy(base), adapter_dir)
+    with torch.no_grad():
+        logits = [m(input_ids=ids).logits for m in (merged, adapted, base)]
+    assert (logits[0] - logits[1]).abs().max() < tol  # merged weights = base + adapters
+    assert (logits[0] - logits[2]).abs().max() > 1e-4  # and training moved them off the base
+    return merged

@@ -11,13 +11,12 @@ import sys
 import textwrap
 import time
 
-import peft
 import pytest
 import torch
 from safetensors.torch import load_file
 
 import ppo
-from conftest import ROOT, assert_one_line_error, run_script
+from conftest import ROOT, assert_merged_is_base_plus_adapter, assert_one_line_error, run_script
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 TINY = {
@@ -58,14 +57,7 @@ def test_lora_under_fsdp_saves_the_merged_model_and_the_adapter_which_agree(tmp_
     result = run_script("ppo.py", *TINY["ppo.py"], "--model", tiny_model_dir, "--learning-rate", "1e-2", "--fsdp",
                         "--lora-r", "4", "--output-dir", out, launcher=TORCHRUN)
     assert result.returncode == 0, result.stderr[-4000:]
-    merged = ppo.AutoModelForCausalLM.from_pretrained(out / "model")
-    adapted = peft.PeftModel.from_pretrained(ppo.AutoModelForCausalLM.from_pretrained(tiny_model_dir), out / "adapter")
-    base = ppo.AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
-    with torch.no_grad():
-        logits = [m(input_ids=ids).logits for m in (merged, adapted, base)]
-    assert (logits[0] - logits[1]).abs().max() < 1e-4  # merged weights = base + adapters
-    assert (logits[0] - logits[2]).abs().max() > 1e-4  # and training moved them off the base
+    assert_merged_is_base_plus_adapter(out / "model", tiny_model_dir, out / "adapter")
 
 
 @pytest.mark.parametrize("algo", ["ppo", "rloo"])

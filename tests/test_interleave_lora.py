@@ -5,15 +5,14 @@ its adapter beside it, and resume exactly."""
 import json
 import shutil
 
-import peft
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+from transformers import AutoModelForTokenClassification
 
 import interleave
 import ppo
 import rloo
-from conftest import run_script
+from conftest import assert_merged_is_base_plus_adapter, run_script
 from test_ppo import batch
 
 PHASES = ["--phases", "sft", "ppo", "rloo", "prm", "--eval-every", "4", "--sft.batch-size", "8", "--rloo.batch-size",
@@ -67,14 +66,7 @@ def test_a_lora_run_saves_merged_models_and_adapters_and_resumes_exactly(tmp_pat
     rows = [json.loads(line) for line in (full / "metrics.jsonl").read_text().splitlines()]
     assert [r["phase"] for r in rows[1:]] == ["sft", "ppo", "rloo", "prm"] * 2
 
-    merged = AutoModelForCausalLM.from_pretrained(full / "model")
-    adapted = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), full / "adapter")
-    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
-    with torch.no_grad():
-        logits = [m(input_ids=ids).logits for m in (merged, adapted, base)]
-    assert (logits[0] - logits[1]).abs().max() < 1e-4  # merged weights = base + the adapters
-    assert (logits[0] - logits[2]).abs().max() > 1e-4  # which training moved off the base
+    assert_merged_is_base_plus_adapter(full / "model", tiny_model_dir, full / "adapter")
     for name in ("value", "prm"):
         assert AutoModelForTokenClassification.from_pretrained(full / name).config.num_labels == (1 if name == "value"
                                                                                                  else 2)

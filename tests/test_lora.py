@@ -5,7 +5,6 @@ import copy
 import json
 import shutil
 
-import peft
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -13,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 import ppo
 import rloo
-from conftest import assert_one_line_error, run_main, run_script
+from conftest import assert_merged_is_base_plus_adapter, assert_one_line_error, run_main, run_script
 from test_ppo import batch
 
 TINY = ["--total-episodes", "32", "--batch-size", "16", "--num-mini-batches", "2", "--eval-every", "1",
@@ -95,14 +94,7 @@ def test_a_lora_run_saves_the_merged_model_and_the_adapter_which_give_the_same_l
     result = run_script(script, *TINY, "--model", tiny_model_dir, "--learning-rate", "1e-2", "--lora-r", "4",
                         "--output-dir", out)
     assert result.returncode == 0, result.stderr[-3000:]
-    merged = AutoModelForCausalLM.from_pretrained(out / "model")
-    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    adapted = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), out / "adapter")
-    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
-    with torch.no_grad():
-        logits = [m(input_ids=ids).logits for m in (merged, adapted, base)]
-    assert (logits[0] - logits[1]).abs().max() < 1e-4  # merged weights = base + adapters
-    assert (logits[0] - logits[2]).abs().max() > 1e-4  # and training moved them off the base
+    assert_merged_is_base_plus_adapter(out / "model", tiny_model_dir, out / "adapter")
 
 
 @pytest.mark.parametrize("script", ["ppo.py", "rloo.py"])

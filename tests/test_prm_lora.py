@@ -7,14 +7,13 @@ import json
 import random
 import shutil
 
-import peft
 import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForTokenClassification
 
 import stepwise_prm as prm
-from conftest import assert_one_line_error, run_script
+from conftest import assert_merged_is_base_plus_adapter, assert_one_line_error, run_script
 
 TINY = ["--num-train-rows", "200", "--num-eval-rows", "40", "--best-of-n", "4", "--warmup-steps", "10",
         "--total-steps", "4", "--batch-size", "16", "--eval-every", "2"]
@@ -113,16 +112,11 @@ def test_a_lora_run_saves_the_merged_prm_and_the_adapter_which_give_the_same_log
     for folder in (lora_run / "adapter", lora_run / "checkpoints" / "iter_000002" / "model"):
         saved = load_file(folder / "adapter_model.safetensors")  # the adapters and the head, no base weight
         assert saved and all("lora_" in k or ".score." in k for k in saved), sorted(saved)[:3]
-    merged = AutoModelForTokenClassification.from_pretrained(lora_run / "model")
-    base = AutoModelForTokenClassification.from_pretrained(lora_run / "warmup_lm", num_labels=2)  # the adapters' base
-    base_logits_model = copy.deepcopy(base)
-    adapted = peft.PeftModel.from_pretrained(base, lora_run / "adapter")
     ids = prm.build_tokenizer()("2+3+4=2+3=5\n5+4=9\n", return_tensors="pt").input_ids  # [1, L], <bos> first
-    with torch.no_grad():
-        logits = [m(input_ids=ids).logits for m in (merged, adapted, base_logits_model)]
+    # the adapters' base is the warm start's LM under a fresh 2-label head, which the adapter's trained head replaces
+    merged = assert_merged_is_base_plus_adapter(lora_run / "model", lora_run / "warmup_lm", lora_run / "adapter",
+                                                AutoModelForTokenClassification, ids, 1e-5, num_labels=2)
     assert merged.config.id2label == {0: "wrong", 1: "correct"}
-    assert (logits[0] - logits[1]).abs().max() < 1e-5  # merged weights = base + adapters, the trained head
-    assert (logits[0] - logits[2]).abs().max() > 1e-4
 
 
 def test_a_lora_run_resumes_exactly(lora_run, tmp_path):
