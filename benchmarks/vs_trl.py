@@ -57,15 +57,17 @@ def trl_python() -> str:
     return str(python)
 
 
-def run(cmd: list[str], env: dict | None = None) -> str:
-    result = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})}, cwd=ROOT)
+def run(cmd: list[str], env: dict | None = None, cwd: Path = ROOT) -> str:
+    result = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})}, cwd=cwd)
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd[:4])}... failed:\n{result.stderr[-3000:]}")
     return result.stdout
 
 
-def ours(algo: str, iterations: int, art: Path, dtype: str, compile_: bool, extra: tuple = ()) -> dict:
-    """Run our script on the benchmark settings (plus `extra` flags); per-iteration seconds from its metrics.jsonl."""
+def ours(algo: str, iterations: int, art: Path, dtype: str, compile_: bool, extra: tuple = (),
+         root: Path = ROOT) -> dict:
+    """Run our script (the one in `root`: another checkout for before/after figures) on the benchmark settings (plus
+    `extra` flags); per-iteration seconds from its metrics.jsonl."""
     out = Path(f"/tmp/bench_ours_{algo}")
     common = ["--output-dir", str(out), "--learning-rate", "3e-6" if algo != "prm" else "1e-5", "--dtype", dtype]
     common += ["--compile"] if compile_ else []
@@ -81,7 +83,7 @@ def ours(algo: str, iterations: int, art: Path, dtype: str, compile_: bool, extr
         args = ["stepwise_prm.py", "--model", art / "policy", "--dataset", art / "prm.jsonl", "--batch-size", "16",
                 "--max-length", "256", "--total-steps", str(iterations), "--eval-every", "100000",
                 "--num-eval-rows", "16"]
-    text = run([sys.executable, "-c", PEAK, *map(str, args), *common, *extra], env={"HF_HUB_OFFLINE": "1"})
+    text = run([sys.executable, "-c", PEAK, *map(str, args), *common, *extra], env={"HF_HUB_OFFLINE": "1"}, cwd=root)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:-1]  # no eval rows
     times = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(rows, rows[1:])]
     tokens = [r["train/tokens"] for r in rows] if algo == "prm" else []
