@@ -51,6 +51,7 @@ from transformers import (
     AutoModelForTokenClassification,
     AutoTokenizer,
     CompileConfig,
+    DynamicCache,
     GenerationConfig,
     LlamaConfig,
     LlamaForCausalLM,
@@ -1010,18 +1011,16 @@ CACHE_KWARG = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).
 def decode_step(model, token: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
                 cache: StaticCache) -> torch.Tensor:
     """Logits [B, V] for one new token per row, token [B, 1] at position_ids [B, 1], through the model's own
-    forward, which writes its keys and values into the cache; attention_mask [B, C] spans the whole cache. Every
-    shape is fixed, so --compile makes one graph of it per batch size and cache length."""
+    forward, which writes its keys and values into the cache; attention_mask [B, C] spans the cache. With a static
+    cache every shape is fixed, so --compile makes one graph of it per batch size and cache length."""
     return model(input_ids=token, position_ids=position_ids, attention_mask=attention_mask, **{CACHE_KWARG: cache},
                  use_cache=True).logits[:, -1]
 
 
-def static_cache(model, batch_size: int, length: int, keep: bool) -> StaticCache:
-    """An empty static key/value cache for batch_size rows of length tokens. With keep (a compiled step), one per
-    shape and autocast dtype (which sets the cache's dtypes) is kept on the model and emptied for each use, since a
-    CUDA graph replays only while the cache keeps its memory addresses; without, a new one that nothing holds."""
-    if not keep:
-        return StaticCache(config=model.config, max_cache_len=length)
+def static_cache(model, batch_size: int, length: int) -> StaticCache:
+    """An empty static key/value cache for batch_size rows of length tokens, for the compiled step: one per shape and
+    autocast dtype (which sets the cache's dtypes) is kept on the model and emptied for each use, since a CUDA graph
+    replays only while the cache keeps its memory addresses."""
     device = model.device.type
     key = (batch_size, length, torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device))
     caches = model.__dict__.setdefault("decode_caches", {})
@@ -1042,20 +1041,24 @@ def compiled_decode_step(mode: str) -> Callable:
 def decode_loop(model, queries: torch.Tensor, attention_mask: torch.Tensor, gen: GenerationConfig,
                 stop: Callable | None = None) -> torch.Tensor:
     """Responses [B, T] to left-padded queries [B, Lq], sampled as `generate` samples, in plain PyTorch around the
-    model's own forward: one forward over the prompts fills a static key/value cache sized for prompt and response,
-    then one token per step (decode_step, compiled when gen.compile_config is set). Rows end at EOS (then pad) or
-    when stop(new_ids [B, t]) says so; the loop ends when every row has ended."""
+    model's own forward: one forward over the prompts fills the key/value cache, then one token per step
+    (decode_step). Rows end at EOS (then pad) or when stop(new_ids [B, t]) says so; the loop ends when every row has
+    ended. When gen.compile_config is set, the step is compiled and the cache is static, sized for prompt and
+    response, so that every step has the same shapes (one graph); eager, the cache grows a token per step and
+    attention spans only the tokens so far, which is faster without compilation."""
     B, Lq = queries.shape
-    T, C = gen.max_new_tokens, cache_length(Lq, gen.max_new_tokens)
-    cache = static_cache(model, B, C, keep=gen.compile_config is not None)
+    T, compiled = gen.max_new_tokens, gen.compile_config is not None
+    C = cache_length(Lq, T) if compiled else Lq + T
+    cache = static_cache(model, B, C) if compiled else DynamicCache(config=model.config)
     mask = torch.nn.functional.pad(attention_mask, (0, C - Lq), value=1)  # [B, C]: 0 on left padding only (the
-    # model's causal mask hides the slots not written yet)
-    step = compiled_decode_step(gen.compile_config.mode) if gen.compile_config else decode_step
+    # model's causal mask hides a static cache's slots not written yet)
+    step = compiled_decode_step(gen.compile_config.mode) if compiled else decode_step
     # the prompts in one forward, eager even under --compile: a compiled forward would trace the cache's first fill
     # and leave its tensors unfit for CUDA graphs
     with torch.compiler.set_stance("force_eager"):
-        logits = model(input_ids=queries, attention_mask=mask, position_ids=position_ids_from(attention_mask),
-                       use_cache=True, logits_to_keep=1, **{CACHE_KWARG: cache}).logits[:, -1]  # [B, V]
+        logits = model(input_ids=queries, attention_mask=mask[:, :C if compiled else Lq], use_cache=True,
+                       position_ids=position_ids_from(attention_mask), logits_to_keep=1,
+                       **{CACHE_KWARG: cache}).logits[:, -1]  # [B, V]
     ids = torch.nn.functional.pad(queries, (0, T), value=gen.pad_token_id)  # [B, Lq + T]: prompts, then responses
     position = attention_mask.sum(1, keepdim=True)  # [B, 1]: each row's first new position
     done = torch.zeros(B, dtype=torch.bool, device=queries.device)
@@ -1067,7 +1070,7 @@ def decode_loop(model, queries: torch.Tensor, attention_mask: torch.Tensor, gen:
             done |= stop(ids[:, Lq:Lq + t + 1])
         if t == T - 1 or done.all():
             break
-        logits = step(model, token[:, None], position + t, mask, cache)
+        logits = step(model, token[:, None], position + t, mask[:, :C if compiled else Lq + t + 1], cache)
     return ids[:, Lq:Lq + t + 1]
 
 

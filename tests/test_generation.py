@@ -1,6 +1,7 @@
-"""Generation: the decode loop (the model's own forward with a static cache) gives model.generate's greedy tokens
-for several architectures and samples from the same distribution; stop strings end rows and cut responses exactly
-where decoding every prefix would; models the loop cannot take go through model.generate, said once."""
+"""Generation: the decode loop (the model's own forward with a key/value cache: one that grows, eager; a static one
+under --compile) gives model.generate's greedy tokens for several architectures and samples from the same
+distribution; stop strings end rows and cut responses exactly where decoding every prefix would; models the loop
+cannot take go through model.generate, said once."""
 
 import random
 
