@@ -8,8 +8,9 @@ second table compares the sampler's logprob of each sampled token with the updat
 bf16, on a run's model: if the two passes disagreed, the update would follow samples from another policy than the
 one it scores.
 
-    python benchmarks/bf16_parts.py --seeds 1 2            # 8 runs, about 4 minutes each on one core
+    python benchmarks/bf16_parts.py --seeds 1 2            # 8 runs, 2-4 minutes each on one core
     python benchmarks/bf16_parts.py --seeds 1 --episodes 25600 --parts bf16 fp32
+    python benchmarks/bf16_parts.py --seeds $(seq 1 15) --parts fp32 bf16   # 30 runs: is bf16's cost more than seeds'?
 """
 
 import argparse
