@@ -51,14 +51,13 @@ from transformers import (
     AutoModelForTokenClassification,
     AutoTokenizer,
     CompileConfig,
-    DynamicCache,
     GenerationConfig,
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedTokenizerFast,
-    StaticCache,
     StoppingCriteriaList,
 )
+from transformers.cache_utils import DynamicCache, StaticCache
 
 
 @dataclass

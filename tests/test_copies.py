@@ -58,6 +58,14 @@ def test_machinery_blocks_of_ppo_and_rloo_are_identical():
     assert rloo_block == ppo_block, "rloo.py's machinery block differs from ppo.py's: keep them identical"
 
 
+@pytest.mark.parametrize("script, budget", [("ppo.py", 500), ("rloo.py", 500), ("stepwise_prm.py", 400)])
+def test_the_algorithm_and_its_loop_fit_above_the_marker_in_the_budget(script, budget):
+    """The reader's path (docstring, imports, config, the algorithm, main) ends at the marker within the line budget
+    of the style guide; whatever else a change needs goes below it."""
+    above = (ROOT / script).read_text().split(f"\n{MARKER}")[0].count("\n") + 2  # the marker's own line number
+    assert above <= budget, f"{script}'s marker is on line {above}, past the budget of {budget}: move machinery below"
+
+
 def test_every_definition_rloo_shares_with_ppo_is_guarded():
     """A definition in both scripts is either in the identical machinery block or on the guarded list above it,
     except those that are the script's own (its Args and its loop)."""
