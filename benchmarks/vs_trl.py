@@ -11,6 +11,7 @@ virtual environment (benchmarks/.trl-venv), never into the project's.
     python benchmarks/vs_trl.py --learning --seeds 1 2   # RLOO on the built-in task against TRL's RLOOTrainer
     python benchmarks/vs_trl.py --only generation        # the generation line alone
     python benchmarks/vs_trl.py --lora-r 16 --rounds 1   # PPO and RLOO, both sides: full, LoRA r 16, + checkpointing
+    python benchmarks/vs_trl.py --bf16-gain              # ours only: fp32 and bf16 in turn, the bf16 speed gain
 
 Each pair runs alternately (ours, TRL, ours, TRL, ...) so that machine noise hits both; per-iteration seconds are
 medians after warm-up; peak memory is the peak resident set (VmHWM) of each side's training process.
@@ -232,6 +233,22 @@ def lora_table(r: int, iterations: int, rounds: int) -> list[str]:
     return lines
 
 
+def bf16_gain(algos: list[str], iterations: int, rounds: int) -> list[str]:
+    """Our scripts in fp32 and in bf16 (--dtype bf16), one after the other in each round, so that the gain is taken
+    from runs minutes apart rather than from two separate benchmark runs; s/iter medians after warm-up (PRM: s/step)."""
+    art = artifacts.build()
+    lines = ["| | fp32 s/iter | bf16 s/iter | bf16 gain (fp32 / bf16) |", "| --- | --- | --- | --- |"]
+    for algo in algos:
+        runs = {"fp32": [], "bf16": []}
+        for _ in range(rounds):
+            for dtype in runs:
+                runs[dtype].append(ours(algo, iterations, art, dtype, False))
+        a, b = (median_after_warmup([m["times"] for m in runs[dtype]]) for dtype in ("fp32", "bf16"))
+        lines.append(f"| {algo.upper()} | {a:.3f} | {b:.3f} | {a / b:.2f}x |")
+        print(lines[-1], flush=True)
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=["ppo", "rloo", "prm", "generation"], action="append",
@@ -243,9 +260,15 @@ def main() -> None:
     parser.add_argument("--learning", action="store_true", help="only the learning comparison (RLOO, built-in task)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1], help="seeds of the learning comparison")
     parser.add_argument("--episodes", type=int, default=64_000, help="episodes of the learning comparison")
+    parser.add_argument("--bf16-gain", action="store_true",
+                        help="only our scripts, fp32 and bf16 in turn in each round: the bf16 speed gain")
     parser.add_argument("--lora-r", type=int, default=0,
                         help="only PPO and RLOO, both sides: full fine-tuning against LoRA adapters of this rank")
     args = parser.parse_args()
+    if args.bf16_gain:
+        print("\n".join(bf16_gain([a for a in args.only or ["ppo", "rloo", "prm"] if a != "generation"],
+                                   args.iterations, args.rounds)))
+        return
     if args.lora_r:
         print("\n".join(lora_table(args.lora_r, args.iterations, args.rounds)))
         return
