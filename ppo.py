@@ -1008,10 +1008,11 @@ CACHE_KWARG = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).
 
 
 def decode_step(model, token: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
-                cache: StaticCache) -> torch.Tensor:
+                cache: DynamicCache | StaticCache) -> torch.Tensor:
     """Logits [B, V] for one new token per row, token [B, 1] at position_ids [B, 1], through the model's own
-    forward, which writes its keys and values into the cache; attention_mask [B, C] spans the cache. With a static
-    cache every shape is fixed, so --compile makes one graph of it per batch size and cache length."""
+    forward, which writes its keys and values into the cache; attention_mask covers the cache: all C slots of a
+    static one, the tokens so far (this one included) of one that grows. With a static cache every shape is fixed,
+    so --compile makes one graph of it per batch size and cache length."""
     return model(input_ids=token, position_ids=position_ids, attention_mask=attention_mask, **{CACHE_KWARG: cache},
                  use_cache=True).logits[:, -1]
 
