@@ -14,6 +14,7 @@ rewards and masks; `main()` below is one such loop.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import copy
 import functools
 import inspect
@@ -293,7 +294,7 @@ def ppo_step(policy, value_model, ref_policy, optimizer, queries: torch.Tensor, 
     # epoch's forward pass (with gradients) is the rollout's, and it is kept rather than done twice.
     fused = hp.num_mini_batches == 1 and hp.gradient_accumulation_steps == 1
     if fused:
-        with autocast(hp.dtype, device):
+        with autocast(hp.dtype, device, input_ids.shape[1]):
             first = (*response_logprobs(policy, input_ids, attention_mask, responses, hp.temperature, True,
                                         hp.ent_coef > 0), response_values(value_model, input_ids, attention_mask, T))
     with torch.no_grad(), autocast(hp.dtype, device):
@@ -346,7 +347,7 @@ def ppo_step(policy, value_model, ref_policy, optimizer, queries: torch.Tensor, 
                 if fused and epoch == 0:
                     new_logprobs, entropy, new_values = (x[i] for x in first)
                 else:
-                    with autocast(hp.dtype, device):
+                    with autocast(hp.dtype, device, input_ids.shape[1]):
                         new_logprobs, entropy = response_logprobs(policy, input_ids[i], attention_mask[i], responses[i],
                                                                   hp.temperature, True, hp.ent_coef > 0)
                         new_values = response_values(value_model, input_ids[i], attention_mask[i], T)
@@ -455,8 +456,7 @@ def main(args: Args) -> None:
     t0 = time.time() - state["elapsed"]
     for iteration in progress:
         # 8. Rollout: anneal the learning rate, take this process's share of the prompts, sample and score.
-        if args.anneal_lr:
-            optimizer.param_groups[0]["lr"] = lr * (1 - (iteration - 1) / num_iterations)
+        optimizer.param_groups[0]["lr"] = lr * (1 - (iteration - 1) / num_iterations) if args.anneal_lr else lr
         rows = draw_rows(task, state["prompt_state"], args.batch_size, args.seed)
         rows = rows[rank * local_batch:(rank + 1) * local_batch]
         with autocast(hp.dtype, device):
@@ -1245,9 +1245,17 @@ def evaluate(policy, tokenizer, task: Task, greedy: GenerationConfig, stop_strin
 # Processes: autocast, data parallelism and FSDP2, dropout
 
 
-def autocast(dtype: str, device: torch.device) -> torch.autocast:
-    """A context that runs forward passes in bf16 when dtype is 'bf16' (backward passes stay outside it)."""
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16")
+def autocast(dtype: str, device: torch.device, backward_length: int = 0) -> contextlib.ExitStack:
+    """A context that runs forward passes in bf16 when dtype is 'bf16' (backward passes stay outside it). A pass
+    whose gradients will be taken over sequences of at most 160 tokens (`backward_length`; 0: no gradients) takes
+    PyTorch's math attention kernel when on a CPU: it computes in fp32 as the flash kernel does, but the flash
+    kernel's bf16 backward pass was 2.7x slower than the math kernel's at 64 tokens (even at 192, faster from 256;
+    and the math kernel keeps each layer's L x L attention weights for the backward pass)."""
+    context = contextlib.ExitStack()
+    context.enter_context(torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16"))
+    if dtype == "bf16" and device.type == "cpu" and 0 < backward_length <= 160:
+        context.enter_context(torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH))
+    return context
 
 
 def world_size() -> int:
