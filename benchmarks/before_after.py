@@ -6,6 +6,7 @@ iteration after warm-up over all its rounds. Used for issue 14's "no slower than
 
     python benchmarks/before_after.py --before c120fc9
     python benchmarks/before_after.py --before HEAD~3 --only rloo --rounds 5
+    python benchmarks/before_after.py --before 28ab30d --dtype bf16 --only ppo --only prm   # bf16's attention kernel
 """
 
 import argparse
@@ -23,9 +24,11 @@ import vs_trl  # noqa: E402
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", default="c120fc9", help="the earlier commit")
-    parser.add_argument("--only", choices=["ppo", "rloo"], action="append", help="these rows only")
+    parser.add_argument("--only", choices=["ppo", "rloo", "prm"], action="append",
+                        help="these rows only (default PPO and RLOO; PRM: seconds per step)")
     parser.add_argument("--iterations", type=int, default=10, help="iterations per run")
     parser.add_argument("--rounds", type=int, default=3, help="runs of each side, in turn")
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="both sides in this dtype")
     args = parser.parse_args()
     art = artifacts.build()
     with tempfile.TemporaryDirectory() as tmp:
@@ -33,13 +36,14 @@ def main() -> None:
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(before), args.before], check=True,
                        capture_output=True)
         try:
-            print(f"| | before ({args.before}) s/iter | after (this checkout) s/iter | after / before |")
+            print(f"| {args.dtype} | before ({args.before}) s/iter | after (this checkout) s/iter | after / before |")
             print("| --- | --- | --- | --- |")
             for algo in args.only or ["ppo", "rloo"]:
                 times = {"before": [], "after": []}
                 for _ in range(args.rounds):
                     for side, root in (("before", before), ("after", ROOT)):
-                        times[side].append(vs_trl.ours(algo, args.iterations, art, "fp32", False, root=root)["times"])
+                        run = vs_trl.ours(algo, args.iterations, art, args.dtype, False, root=root)
+                        times[side].append(run["times"])
                 b, a = (vs_trl.median_after_warmup(times[side]) for side in ("before", "after"))
                 print(f"| {algo.upper()} | {b:.3f} | {a:.3f} | {a / b:.3f} |", flush=True)
         finally:
