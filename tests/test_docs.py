@@ -44,6 +44,7 @@ TINY = {
     "benchmarks/interleave_table.py": ["--seeds", "1", "--budget", "2"],
     "benchmarks/memory_growth.py": ["--iterations", "3", "--batch-size", "16"],
     "benchmarks/plot.py": [],
+    "benchmarks/attention_kernels.py": ["--lengths", "16", "--repeats", "1"],
 }
 HELP_ONLY = {"benchmarks/vs_trl.py", "benchmarks/prm_rewards.py", "benchmarks/before_after.py",
              "benchmarks/bf16_parts.py"}
