@@ -302,7 +302,7 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
     if fused:
         with autocast(hp.dtype, device, queries.shape[1] + T):
             first = shared_prefix_logprobs(policy, queries, responses, valid, pad_token_id, hp.temperature, True)
-    with torch.no_grad(), autocast(hp.dtype, device):
+    with torch.no_grad(), autocast(hp.dtype, device, queries.shape[1] + T):
         if need_old:
             old_logprobs = logprobs_of(policy)
         elif fused:
@@ -1245,15 +1245,16 @@ def evaluate(policy, tokenizer, task: Task, greedy: GenerationConfig, stop_strin
 # Processes: autocast, data parallelism and FSDP2, dropout
 
 
-def autocast(dtype: str, device: torch.device, backward_length: int = 0) -> contextlib.ExitStack:
-    """A context that runs forward passes in bf16 when dtype is 'bf16' (backward passes stay outside it). A pass
-    whose gradients will be taken over sequences of at most 160 tokens (`backward_length`; 0: no gradients) takes
-    PyTorch's math attention kernel when on a CPU: it computes in fp32 as the flash kernel does, but the flash
-    kernel's bf16 backward pass was 2.7x slower than the math kernel's at 64 tokens (even at 192, faster from 256;
-    and the math kernel keeps each layer's L x L attention weights for the backward pass)."""
+def autocast(dtype: str, device: torch.device, update_length: int = 0) -> contextlib.ExitStack:
+    """A context that runs forward passes in bf16 when dtype is 'bf16' (backward passes stay outside it). The passes
+    of an update over sequences of at most 160 tokens (`update_length`; 0: not an update) take PyTorch's math
+    attention kernel when on a CPU: it computes in fp32 as the flash kernel does, but the flash kernel's bf16
+    backward pass was 2.7x slower than the math kernel's at 64 tokens (even at 192, faster from 256; and the math
+    kernel keeps each layer's L x L attention weights for the backward pass). An update's passes without gradients
+    (old and reference logprobs) take it too, so that every logprob the update compares comes from one kernel."""
     context = contextlib.ExitStack()
     context.enter_context(torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16"))
-    if dtype == "bf16" and device.type == "cpu" and 0 < backward_length <= 160:
+    if dtype == "bf16" and device.type == "cpu" and 0 < update_length <= 160:
         context.enter_context(torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH))
     return context
 

@@ -105,13 +105,13 @@ def test_a_bf16_checkpoint_trains_on_fp32_weights(tmp_path):
         assert {p.dtype for p in policy.parameters()} == {torch.float32}
 
 
-def attention_kernels_and_grads(dtype: str, backward_length: int) -> tuple[set, list]:
+def attention_kernels_and_grads(dtype: str, update_length: int) -> tuple[set, list]:
     """The attention kernels one forward and backward pass of the peaked built-in policy runs under
-    ppo.autocast(dtype, cpu, backward_length), and the gradients it gives its weights."""
+    ppo.autocast(dtype, cpu, update_length), and the gradients it gives its weights."""
     tokenizer, policy = peaked_policy(ppo)
     queries, responses = batch(tokenizer)
     with torch.profiler.profile() as prof:
-        with ppo.autocast(dtype, torch.device("cpu"), backward_length):
+        with ppo.autocast(dtype, torch.device("cpu"), update_length):
             logprobs, _ = ppo.response_logprobs(policy, torch.cat([queries, responses], 1),
                                                 torch.ones(4, queries.shape[1] + 4, dtype=torch.long), responses, 1.0)
         logprobs.sum().backward()
@@ -119,18 +119,18 @@ def attention_kernels_and_grads(dtype: str, backward_length: int) -> tuple[set, 
     return kernels, [p.grad.clone() for p in policy.parameters()]
 
 
-@pytest.mark.parametrize("dtype, backward_length, kernel", [
+@pytest.mark.parametrize("dtype, update_length, kernel", [
     ("bf16", 12, "aten::_scaled_dot_product_attention_math"),  # a short update pass in bf16 on a CPU
     ("bf16", 0, "aten::_scaled_dot_product_flash_attention_for_cpu"),  # no gradients to take (rollout, evaluation)
     ("bf16", 160, "aten::_scaled_dot_product_attention_math"),  # the longest that takes it
     ("bf16", 192, "aten::_scaled_dot_product_flash_attention_for_cpu"),  # longer: flash is faster and keeps less
     ("fp32", 12, "aten::_scaled_dot_product_flash_attention_for_cpu"),
 ])
-def test_short_bf16_backward_passes_on_cpu_take_the_math_attention_kernel(dtype, backward_length, kernel):
+def test_short_bf16_backward_passes_on_cpu_take_the_math_attention_kernel(dtype, update_length, kernel):
     """On a CPU in bf16, a pass whose gradients will be taken over at most 160 tokens runs PyTorch's math attention
     kernel (the flash kernel's bf16 backward pass costs several times more there at these lengths); every other pass
     keeps the default flash kernel."""
-    kernels, _ = attention_kernels_and_grads(dtype, backward_length)
+    kernels, _ = attention_kernels_and_grads(dtype, update_length)
     assert kernel in kernels
     assert kernels - {kernel, "aten::scaled_dot_product_attention"} == set()
 
@@ -141,7 +141,7 @@ def test_the_math_kernel_loses_no_precision():
     rounding elsewhere in the model)."""
     _, fp32_grads = attention_kernels_and_grads("fp32", 12)
     distances = {}
-    for name, backward_length in (("math", 12), ("flash", 0)):
-        _, grads = attention_kernels_and_grads("bf16", backward_length)
+    for name, update_length in (("math", 12), ("flash", 0)):
+        _, grads = attention_kernels_and_grads("bf16", update_length)
         distances[name] = max(((a - b).norm() / b.norm()).item() for a, b in zip(grads, fp32_grads) if b.norm() > 0)
     assert distances["math"] <= 1.1 * distances["flash"] < 0.02
