@@ -979,7 +979,8 @@ def cache_length(prompt_length: int, max_new_tokens: int) -> int:
 def decode_loop_unsupported(model, gen: GenerationConfig, length: int) -> str | None:
     """Why decode_loop cannot take this model and these settings (None: it can). It takes any causal LM whose
     forward accepts a static key/value cache (transformers marks those `_can_compile_fullgraph`) that keeps all
-    `length` tokens in every layer, unsharded, sampling with the settings next_token implements."""
+    `length` tokens in every layer, unsharded, sampling with the settings next_token implements. Compiled (a static
+    cache, gen.compile_config set) under autocast, that cache must keep keys and values in their own dtypes."""
     others = GenerationConfig()  # every other generation setting must be left at its default
     skip = {"do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens",
             "min_new_tokens", "pad_token_id", "eos_token_id", "bos_token_id", "transformers_version", "compile_config"}
@@ -993,8 +994,9 @@ def decode_loop_unsupported(model, gen: GenerationConfig, length: int) -> str | 
         return f"a layer keeps fewer than {length} tokens (sliding window or chunked attention)"
     if any(hasattr(p, "placements") for p in model.parameters()):
         return "the model is sharded (FSDP): all processes step together through generate(synced_gpus=True)"
-    low = torch.get_autocast_dtype(model.device.type)  # under autocast, keys come out in the weights' dtype (RoPE
-    if torch.is_autocast_enabled(model.device.type) and model.dtype != low:  # runs in it) and values in `low`
+    # under autocast, keys come out in the weights' dtype (RoPE runs in it) and values in the autocast dtype, `low`
+    low = torch.get_autocast_dtype(model.device.type)
+    if gen.compile_config and torch.is_autocast_enabled(model.device.type) and model.dtype != low:
         layer = StaticCache(config=model.config, max_cache_len=1).layers[0]
         layer.lazy_initialization(torch.zeros(1, 1, 1, 1, dtype=model.dtype), torch.zeros(1, 1, 1, 1, dtype=low))
         if layer.values.dtype != low:  # transformers 5.17 keeps both in the keys' dtype, then fails on the values

@@ -3,6 +3,7 @@ whole table at the tiny size on CPU; its prompts have the stated length; benchma
 packages the GPU machine's image lacks; and the scripts' generation works with the transformers installed, be it
 this project's pin or the GPU machine's older release (cache keyword, cache dtypes under bf16 autocast)."""
 
+import copy
 import importlib.metadata
 import inspect
 import json
@@ -70,14 +71,24 @@ def test_cache_keyword_is_one_that_forward_takes(script, arch):
 
 def test_generate_under_bf16_autocast_with_fp32_weights():
     """What --dtype bf16 runs: fp32 weights, forward passes under bf16 autocast, so keys come out fp32 (RoPE runs in
-    the weights' dtype) and values bf16. transformers 5.24's static cache keeps each in its own dtype; 5.17's keeps
-    both in the keys' and failed on the values, so there the decode loop declines and model.generate decodes."""
+    the weights' dtype) and values bf16. The eager decode loop's growing cache takes both in every release (5.17's
+    casts the values up to the keys' dtype). A static cache (--compile) keeps each in its own dtype in 5.24; 5.17's
+    keeps both in the keys' and failed on the values, so there the compiled loop declines and model.generate
+    decodes (the GPU machine's image has 5.17: benchmarks/gpu_wheels.py --transformers brings the pin)."""
     tokenizer = ppo.build_tokenizer()
     torch.manual_seed(0)
     model = ppo.build_tiny_model(tokenizer).eval()
     queries = ppo.left_pad([tokenizer(p).input_ids for p in ["1+2=", "3+4+5="]], tokenizer.pad_token_id)
     gen = transformers.GenerationConfig(do_sample=False, max_new_tokens=4, pad_token_id=tokenizer.pad_token_id,
                                         eos_token_id=tokenizer.eos_token_id)
+    compiled = copy.deepcopy(gen)
+    compiled.compile_config = transformers.CompileConfig(fullgraph=True, dynamic=False)
     with ppo.autocast("bf16", torch.device("cpu")):
+        assert ppo.decode_loop_unsupported(model, gen, 16) is None
+        reason = ppo.decode_loop_unsupported(model, compiled, 16)
+        if transformers.__version__ == "5.17.0":
+            assert "keys and values differ in dtype" in reason
+        if transformers.__version__ == importlib.metadata.version("transformers") == "5.24.0":
+            assert reason is None
         responses, lengths, ended = ppo.generate(model, tokenizer, queries, gen, [])
     assert responses.shape[0] == 2 and 1 <= responses.shape[1] <= 4 and lengths.min() >= 1
