@@ -122,7 +122,7 @@ class Args:
     """policy: a Hugging Face id or a local folder; 'builtin' is a tiny Llama-shaped model built from config"""
     trust_remote_code: bool = False
     """allow model code from the hub (off unless asked)"""
-    total_episodes: int = 256_000
+    total_episodes: int = 512_000
     """responses to train on in all (iterations = total_episodes // batch_size)"""
     batch_size: int = 256
     """responses per iteration over all processes: batch_size / rloo_k prompts, rloo_k samples each"""

@@ -1,14 +1,14 @@
 """Where bf16 costs rloo.py's learning on the built-in task: whole runs with every forward pass in bf16, and with one
 part of the iteration moved back to fp32 (the sampling, or the update), against fp32 throughout.
 
-Each run is `rloo.py --dtype bf16 --seed S` with its defaults (256,000 episodes), in this process, with the chosen
+Each run is `rloo.py --dtype bf16 --seed S` with its defaults (512,000 episodes), in this process, with the chosen
 part wrapped to run in fp32 (`generate` outside autocast, which also decodes the greedy evaluations: they read the
 weights alike in both dtypes; or `rloo_step` with dtype fp32); the figure is the final greedy task/accuracy. A
 second table compares the sampler's logprob of each sampled token with the update's for the same tokens, both in
 bf16, on a run's model: if the two passes disagreed, the update would follow samples from another policy than the
 one it scores.
 
-    python benchmarks/bf16_parts.py --seeds 1 2            # 8 runs, 2-4 minutes each on one core
+    python benchmarks/bf16_parts.py --seeds 1 2            # 8 runs, 3-4 minutes each on one core
     python benchmarks/bf16_parts.py --seeds 1 --episodes 25600 --parts bf16 fp32
     python benchmarks/bf16_parts.py --seeds $(seq 1 15) --parts fp32 bf16   # 30 runs: is bf16's cost more than seeds'?
 """
@@ -101,7 +101,7 @@ def sampler_against_update(model_dir: Path) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--episodes", type=int, default=256_000)
+    parser.add_argument("--episodes", type=int, default=512_000)
     parser.add_argument("--parts", nargs="+", default=PARTS, choices=PARTS)
     parser.add_argument("--out", default="runs/bf16_parts", help="run folders go below it")
     args = parser.parse_args()
