@@ -45,6 +45,7 @@ TINY = {
     "benchmarks/memory_growth.py": ["--iterations", "3", "--batch-size", "16"],
     "benchmarks/plot.py": [],
     "benchmarks/attention_kernels.py": ["--lengths", "16", "--repeats", "1"],
+    "benchmarks/decode_steps.py": ["--steps", "3", "--no-compile"],
 }
 HELP_ONLY = {"benchmarks/vs_trl.py", "benchmarks/prm_rewards.py", "benchmarks/before_after.py",
              "benchmarks/bf16_parts.py"}
