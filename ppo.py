@@ -1100,13 +1100,14 @@ def generate(policy, tokenizer, queries: torch.Tensor, gen: GenerationConfig, st
     Lq = queries.shape[1]
     stop = stop_check(tokenizer, stop_strings) if stop_strings else None
     reason = decode_loop_unsupported(policy, gen, cache_length(Lq, gen.max_new_tokens))
-    if reason is None:
-        out = decode_loop(policy, queries, attention_mask, gen, stop)
-    else:
-        print_once(f"generation through model.generate, not the decode loop: {reason}")
-        criteria = StoppingCriteriaList([lambda ids, scores, **kw: stop(ids[:, Lq:])]) if stop else None
-        out = policy.generate(input_ids=queries, attention_mask=attention_mask, generation_config=gen,
-                              stopping_criteria=criteria, synced_gpus=torch.distributed.is_initialized())[:, Lq:]
+    with no_checkpointing(policy):
+        if reason is None:
+            out = decode_loop(policy, queries, attention_mask, gen, stop)
+        else:
+            print_once(f"generation through model.generate, not the decode loop: {reason}")
+            criteria = StoppingCriteriaList([lambda ids, scores, **kw: stop(ids[:, Lq:])]) if stop else None
+            out = policy.generate(input_ids=queries, attention_mask=attention_mask, generation_config=gen,
+                                  stopping_criteria=criteria, synced_gpus=torch.distributed.is_initialized())[:, Lq:]
     return cut_responses(tokenizer, out.cpu(), stop_strings)
 
 
@@ -1327,6 +1328,21 @@ def shard(model: torch.nn.Module, mesh) -> torch.nn.Module:
         fully_shard(model.get_base_model(), mesh=mesh)
         return model
     return fully_shard(model, mesh=mesh)
+
+
+@contextlib.contextmanager
+def no_checkpointing(model: torch.nn.Module):
+    """The model in eval mode within, its modules' own modes back after: for passes without gradients that keep a
+    key/value cache. With --gradient-checkpointing the models train in training mode, where transformers 5.17 (the
+    GPU machine's) drops a checkpointing layer's cache even without gradients, so each new token would attend to
+    itself alone; dropout being off in every model here (disable_dropout), eval mode changes nothing else."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield model
+    finally:
+        for module, training in modes:
+            module.training = training
 
 
 def reference(policy, ref_policy) -> tuple:
