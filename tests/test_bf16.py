@@ -121,14 +121,15 @@ def attention_kernels_and_grads(dtype: str, update_length: int) -> tuple[set, li
 
 @pytest.mark.parametrize("dtype, update_length, kernel", [
     ("bf16", 12, "aten::_scaled_dot_product_attention_math"),  # a short update pass in bf16 on a CPU
-    ("bf16", 0, "aten::_scaled_dot_product_flash_attention_for_cpu"),  # no gradients to take (rollout, evaluation)
+    ("bf16", 0, "aten::_scaled_dot_product_flash_attention_for_cpu"),  # not an update (rollout, evaluation)
     ("bf16", 160, "aten::_scaled_dot_product_attention_math"),  # the longest that takes it
     ("bf16", 192, "aten::_scaled_dot_product_flash_attention_for_cpu"),  # longer: flash is faster and keeps less
     ("fp32", 12, "aten::_scaled_dot_product_flash_attention_for_cpu"),
 ])
-def test_short_bf16_backward_passes_on_cpu_take_the_math_attention_kernel(dtype, update_length, kernel):
-    """On a CPU in bf16, a pass whose gradients will be taken over at most 160 tokens runs PyTorch's math attention
-    kernel (the flash kernel's bf16 backward pass costs several times more there at these lengths); every other pass
+def test_short_bf16_update_passes_on_cpu_take_the_math_attention_kernel(dtype, update_length, kernel):
+    """On a CPU in bf16, the passes of an update over at most 160 tokens run PyTorch's math attention kernel (the
+    flash kernel's bf16 backward pass costs several times more there at these lengths), its passes without gradients
+    too (tests/test_ppo.py's fused-against-accumulated test needs their logprobs from one kernel); every other pass
     keeps the default flash kernel."""
     kernels, _ = attention_kernels_and_grads(dtype, update_length)
     assert kernel in kernels
