@@ -1076,6 +1076,43 @@ def decode_loop(model, queries: torch.Tensor, attention_mask: torch.Tensor, gen:
     return ids[:, Lq:Lq + t + 1]
 
 
+def onednn_linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """nn.Linear's forward through oneDNN's fp32 matmul (PyTorch's mkldnn op, no gradients) instead of BLAS's."""
+    return torch.ops.mkldnn._linear_pointwise(x, module.weight, module.bias, "none", [], "")
+
+
+@functools.cache
+def onednn_linear_op() -> Callable:
+    """onednn_linear as a custom op, made once per process, for a compiled forward: torch.compile then calls the
+    oneDNN kernel as it is (its own lowering of the mkldnn op takes only weights frozen into the graph)."""
+    @torch.library.custom_op(f"{__name__.replace('.', '_')}::onednn_linear", mutates_args=())
+    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+    linear.register_fake(lambda x, weight, bias: x.new_empty(*x.shape[:-1], weight.shape[0]))
+    return lambda module, x: linear(x, module.weight, module.bias)
+
+
+@contextlib.contextmanager
+def onednn_linears(model: torch.nn.Module, compiled: bool):
+    """Within, the model's fp32 nn.Linear layers on a CPU run through oneDNN's matmul, in a pass without gradients
+    and outside autocast (whose bf16 matmuls take oneDNN already); their own forward back after. On this project's
+    2-core machine, MKL's fp32 matmuls were the decode step's largest cost and oneDNN's took 0.6-0.8x their time
+    (benchmarks/decode_steps.py). The model's own forward runs: only the kernel of its linear layers changes."""
+    on = (torch.backends.mkldnn.is_available() and not torch.is_grad_enabled()
+          and not torch.is_autocast_enabled("cpu"))
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.device.type == "cpu"
+               and m.weight.dtype == torch.float32] if on else []
+    kernel = onednn_linear_op() if compiled else onednn_linear
+    for module in linears:
+        module.forward = kernel.__get__(module)  # a method of the module: torch.compile keeps its graph across uses
+    try:
+        yield model
+    finally:
+        for module in linears:
+            del module.forward
+
+
 def stop_check(tokenizer, stop_strings: list[str]) -> Callable:
     """stop(new_ids [B, t]) -> [B] bool: a stop string shows in a row's text. Only the text that the newest token can
     complete is decoded: a stop string of n bytes lies within the last n tokens (each decodes to a byte or more),
@@ -1102,7 +1139,8 @@ def generate(policy, tokenizer, queries: torch.Tensor, gen: GenerationConfig, st
     reason = decode_loop_unsupported(policy, gen, cache_length(Lq, gen.max_new_tokens))
     with no_checkpointing(policy):
         if reason is None:
-            out = decode_loop(policy, queries, attention_mask, gen, stop)
+            with onednn_linears(policy, compiled=gen.compile_config is not None):
+                out = decode_loop(policy, queries, attention_mask, gen, stop)
         else:
             print_once(f"generation through model.generate, not the decode loop: {reason}")
             criteria = StoppingCriteriaList([lambda ids, scores, **kw: stop(ids[:, Lq:])]) if stop else None

@@ -1,7 +1,9 @@
 """Where one step of the decode loop spends its time, on vs_trl.py's generation line (its 4-layer policy, 32 prompts
 of 8 tokens, 32 sampled tokens): the prefill, one step of the model's forward (eager with a growing cache, compiled
 with a static one, as ppo.decode_loop runs each), next_token's sampling, and the operators of the steps under
-torch.profiler. Also the matmuls of one step alone, the floor that no decoding around the model's forward goes below.
+torch.profiler. The steps run as ppo.generate runs them, the linear layers through oneDNN (ppo.onednn_linears).
+Also the matmuls of one step alone, through BLAS and through oneDNN: the floor that no decoding around the model's
+forward goes below.
 
     python benchmarks/decode_steps.py                 # eager and compiled, about a minute
     python benchmarks/decode_steps.py --no-compile --steps 8
@@ -90,18 +92,24 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; 32 prompts of 8 tokens, {args.steps} steps")
     with torch.no_grad():
         for compiled in [False] if args.no_compile else [False, True]:
-            rows, first, table = profile(policy, queries, mask, args.steps, compiled)
+            with ppo.onednn_linears(policy, compiled):  # as ppo.generate runs the loop: oneDNN's matmuls on a CPU
+                rows, first, table = profile(policy, queries, mask, args.steps, compiled)
             print(f"\n{'compiled (--compile)' if compiled else 'eager'}: first decode {first:.1f} s")
             print("| part | ms |\n| --- | --- |\n" + "\n".join(rows))
             print(f"operators of {args.steps - 1} steps:\n{table}")
         linears = [(torch.randn(32, m.in_features), m.weight) for m in policy.modules()
                    if isinstance(m, torch.nn.Linear)]
 
-        def matmuls():  # every linear layer once on a [32, in] input, the output layer included
+        def matmuls():  # every linear layer once on a [32, in] input, the output layer included: BLAS's kernel
             for x, weight in linears:
                 torch.nn.functional.linear(x, weight)
 
-        print(f"the matmuls of one step alone ({len(linears)} linear layers): {median_ms(matmuls, 20):.2f} ms")
+        def onednn_matmuls():  # the same through oneDNN's, as ppo.onednn_linears runs them
+            for x, weight in linears:
+                torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+
+        print(f"the matmuls of one step alone ({len(linears)} linear layers): {median_ms(matmuls, 20):.2f} ms "
+              f"through BLAS (torch.nn.functional.linear), {median_ms(onednn_matmuls, 20):.2f} ms through oneDNN")
 
 
 if __name__ == "__main__":

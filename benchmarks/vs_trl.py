@@ -145,8 +145,10 @@ def bare_compute(algo: str, art: Path, repeats: int = 5) -> float:
 def generation_speed(art: Path, repeats: int = 5) -> tuple[dict[str, float], float]:
     """Seconds for 32 x 32 sampled tokens after 8-token prompts, the same sampling on every path, medians of
     `repeats` runs taken in turn: model.generate; the previous decode loop (benchmarks/old_decode.py's lean_decode);
-    ppo.decode_loop; and decode_loop as --compile runs it (the forward under torch.compile(dynamic=True) for the
-    prefill, the one-token step compiled once, fullgraph and fixed shapes). Also the seconds that first compile took."""
+    ppo.decode_loop with the BLAS library's matmuls (as the previous decoder took them); ppo.decode_loop as
+    ppo.generate runs it (ppo.onednn_linears: oneDNN's matmuls on a CPU); and that as --compile runs it (the forward
+    under torch.compile(dynamic=True) for the prefill, the one-token step compiled once, fullgraph and fixed shapes).
+    Also the seconds that first compile took."""
     from transformers import AutoModelForCausalLM, CompileConfig, GenerationConfig
 
     policy = ppo.disable_dropout(AutoModelForCausalLM.from_pretrained(art / "policy"))
@@ -157,10 +159,16 @@ def generation_speed(art: Path, repeats: int = 5) -> tuple[dict[str, float], flo
                            pad_token_id=0, eos_token_id=2)
     compiled = copy.deepcopy(gen)
     compiled.compile_config = CompileConfig(fullgraph=True, dynamic=False, mode="default")
+
+    def as_generate_runs_it(model, config):  # ppo.generate's decode loop: linear layers through oneDNN on a CPU
+        with ppo.onednn_linears(model, compiled=config.compile_config is not None):
+            return ppo.decode_loop(model, queries, mask, config)
+
     paths = {"model.generate": lambda: policy.generate(input_ids=queries, attention_mask=mask, generation_config=gen),
              "previous lean decode": lambda: old_decode.lean_decode(policy, queries, mask, gen),
-             "decode loop": lambda: ppo.decode_loop(policy, queries, mask, gen),
-             "decode loop compiled": lambda: ppo.decode_loop(compiled_policy, queries, mask, compiled)}
+             "decode loop, BLAS matmuls": lambda: ppo.decode_loop(policy, queries, mask, gen),
+             "decode loop": lambda: as_generate_runs_it(policy, gen),
+             "decode loop compiled": lambda: as_generate_runs_it(compiled_policy, compiled)}
     times = {name: [] for name in paths}
     with torch.no_grad():
         start = time.perf_counter()

@@ -271,3 +271,53 @@ def test_compiled_step_gives_the_eager_tokens():
     assert torch.equal(ppo.decode_loop(model, queries.flip(0), mask.flip(0), gen), eager.flip(0))
     assert list(model.decode_caches.values()) == [cache] and cache.layers[0].keys.data_ptr() == keys
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+# ---- oneDNN's matmuls on a CPU: another kernel, the same model -----------------------------------------------------
+
+
+def linear_forwards(model) -> list:
+    return [m.__dict__.get("forward") for m in model.modules() if type(m) is torch.nn.Linear]
+
+
+def test_onednn_linears_change_the_kernel_and_nothing_else():
+    """Within onednn_linears, a pass without gradients runs the model's linear layers through oneDNN's matmul (the
+    profiler sees mkldnn's linear and no BLAS matmul) with the plain forward's logits and greedy tokens; each layer's
+    own forward is back after. With gradients or under autocast it changes nothing."""
+    model = tiny(LlamaConfig)
+    queries, mask = left_padded([1, 5, 6, 7], [1, 9, 10, 11, 12, 13, 14])
+    gen = GenerationConfig(do_sample=False, max_new_tokens=6, **SPECIAL)
+    with torch.no_grad():
+        plain_logits = model(input_ids=queries, attention_mask=mask).logits
+        plain = ppo.decode_loop(model, queries, mask, gen)
+        with ppo.onednn_linears(model, compiled=False):
+            assert all(forward is not None for forward in linear_forwards(model))
+            with torch.profiler.profile() as prof:
+                logits = model(input_ids=queries, attention_mask=mask).logits
+            ops = {event.key for event in prof.key_averages()}
+            assert torch.equal(ppo.decode_loop(model, queries, mask, gen), plain)
+    assert "mkldnn::_linear_pointwise" in ops and not ops & {"aten::mm", "aten::addmm", "aten::bmm"}, ops
+    torch.testing.assert_close(logits, plain_logits, rtol=1e-5, atol=1e-5)
+    assert linear_forwards(model) == [None] * 15
+    with ppo.onednn_linears(model, compiled=False):  # gradients on: BLAS, as before
+        assert linear_forwards(model) == [None] * 15
+    with torch.no_grad(), ppo.autocast("bf16", torch.device("cpu")), ppo.onednn_linears(model, compiled=False):
+        assert linear_forwards(model) == [None] * 15
+
+
+def test_onednn_linears_under_compile_keep_one_graph():
+    """--compile's decode step with oneDNN's linear layers (a custom op, which torch.compile calls as it is) gives
+    the eager tokens and compiles once for two calls, each in its own onednn_linears."""
+    model = tiny(LlamaConfig)
+    queries, mask = left_padded([1, 5, 6, 7], [1, 9, 10, 11, 12, 13, 14])
+    gen = GenerationConfig(do_sample=False, max_new_tokens=6, **SPECIAL)
+    eager = ppo.decode_loop(model, queries, mask, gen)
+    gen.compile_config = ppo.CompileConfig(fullgraph=True, dynamic=False, mode="default")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # the graphs of tests before
+    ppo.compiled_decode_step.cache_clear()
+    for _ in range(2):
+        with ppo.onednn_linears(model, compiled=True):
+            assert torch.equal(ppo.decode_loop(model, queries, mask, gen), eager)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert linear_forwards(model) == [None] * 15
