@@ -55,7 +55,9 @@ def profile(policy, queries: torch.Tensor, mask: torch.Tensor, steps: int, compi
         for t in range(steps - 1):
             if record is not None:
                 start = time.perf_counter()
-            logits = step(policy, token, mask.sum(1, keepdim=True) + t, full[:, :C if compiled else Lq + t + 1], cache)
+            with torch.compiler.set_stance(skip_guard_eval_unsafe=compiled and t > 0):  # as ppo.decode_loop steps
+                logits = step(policy, token, mask.sum(1, keepdim=True) + t, full[:, :C if compiled else Lq + t + 1],
+                              cache)
             if record is not None:
                 record.append(time.perf_counter() - start)
         return logits
@@ -106,7 +108,7 @@ def main() -> None:
 
         def onednn_matmuls():  # the same through oneDNN's, as ppo.onednn_linears runs them
             for x, weight in linears:
-                torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+                ppo.onednn_linear(x, weight, None)
 
         print(f"the matmuls of one step alone ({len(linears)} linear layers): {median_ms(matmuls, 20):.2f} ms "
               f"through BLAS (torch.nn.functional.linear), {median_ms(onednn_matmuls, 20):.2f} ms through oneDNN")
