@@ -1102,19 +1102,24 @@ def onednn_linears(model: torch.nn.Module, compiled: bool):
     """Within, the model's fp32 nn.Linear layers on a CPU run through oneDNN's matmul, in a pass without gradients
     and outside autocast (whose bf16 matmuls take oneDNN already); their own forward back after. On this project's
     2-core machine, MKL's fp32 matmuls were the decode step's largest cost and oneDNN's took 0.6-0.8x their time
-    (benchmarks/decode_steps.py). The model's own forward runs: only the kernel of its linear layers changes."""
+    (benchmarks/decode_steps.py). The model's own forward runs: only the kernel of its linear layers changes (the
+    output layer's fp32 wrapper, there for autocast, is set aside within and back after)."""
     on = (torch.backends.mkldnn.is_available() and not torch.is_grad_enabled()
           and not torch.is_autocast_enabled("cpu"))
     linears = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.device.type == "cpu"
                and m.weight.dtype == torch.float32] if on else []
     kernel = linear_kernel(compiled)
+    own = [module.__dict__.get("forward") for module in linears]  # fp32_output_layer's wrapper, or None
     for module in linears:
         module.forward = kernel.__get__(module)  # a method of the module: torch.compile keeps its graph across uses
     try:
         yield model
     finally:
-        for module in linears:
-            del module.forward
+        for module, forward in zip(linears, own):
+            if forward is None:
+                del module.forward
+            else:
+                module.forward = forward
 
 
 def stop_check(tokenizer, stop_strings: list[str]) -> Callable:

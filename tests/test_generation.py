@@ -283,26 +283,29 @@ def linear_forwards(model) -> list:
 def test_onednn_linears_change_the_kernel_and_nothing_else():
     """Within onednn_linears, a pass without gradients runs the model's linear layers through oneDNN's matmul (the
     profiler sees mkldnn's linear and no BLAS matmul) with the plain forward's logits and greedy tokens; each layer's
-    own forward is back after. With gradients or under autocast it changes nothing."""
-    model = tiny(LlamaConfig)
+    own forward is back after, the output layer's fp32 wrapper (fp32_output_layer) included. With gradients or
+    under autocast it changes nothing."""
+    model = ppo.fp32_output_layer(tiny(LlamaConfig))
+    own = linear_forwards(model)
+    assert own[-1] is not None and own[:-1] == [None] * 14  # the output layer's wrapper, the others' class forward
     queries, mask = left_padded([1, 5, 6, 7], [1, 9, 10, 11, 12, 13, 14])
     gen = GenerationConfig(do_sample=False, max_new_tokens=6, **SPECIAL)
     with torch.no_grad():
         plain_logits = model(input_ids=queries, attention_mask=mask).logits
         plain = ppo.decode_loop(model, queries, mask, gen)
         with ppo.onednn_linears(model, compiled=False):
-            assert all(forward is not None for forward in linear_forwards(model))
+            assert all(forward is not None and forward not in own for forward in linear_forwards(model))
             with torch.profiler.profile() as prof:
                 logits = model(input_ids=queries, attention_mask=mask).logits
             ops = {event.key for event in prof.key_averages()}
             assert torch.equal(ppo.decode_loop(model, queries, mask, gen), plain)
     assert "mkldnn::_linear_pointwise" in ops and not ops & {"aten::mm", "aten::addmm", "aten::bmm"}, ops
     torch.testing.assert_close(logits, plain_logits, rtol=1e-5, atol=1e-5)
-    assert linear_forwards(model) == [None] * 15
+    assert linear_forwards(model) == own
     with ppo.onednn_linears(model, compiled=False):  # gradients on: BLAS, as before
-        assert linear_forwards(model) == [None] * 15
+        assert linear_forwards(model) == own
     with torch.no_grad(), ppo.autocast("bf16", torch.device("cpu")), ppo.onednn_linears(model, compiled=False):
-        assert linear_forwards(model) == [None] * 15
+        assert linear_forwards(model) == own
 
 
 def test_onednn_linears_under_compile_keep_one_graph():
