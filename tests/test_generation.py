@@ -264,6 +264,7 @@ def test_compiled_step_gives_the_eager_tokens():
     assert "decode_caches" not in model.__dict__  # eager: nothing kept between calls
     gen.compile_config = ppo.CompileConfig(fullgraph=True, dynamic=False, mode="default")
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # the graphs of tests before
     ppo.compiled_decode_step.cache_clear()
     assert torch.equal(ppo.decode_loop(model, queries, mask, gen), eager)
     (cache,) = model.decode_caches.values()
