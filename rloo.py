@@ -1077,41 +1077,35 @@ def decode_loop(model, queries: torch.Tensor, attention_mask: torch.Tensor, gen:
     return ids[:, Lq:Lq + t + 1]
 
 
-def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight.T + bias through oneDNN's fp32 matmul (PyTorch's mkldnn op, no gradients) instead of BLAS's."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-
-
 @functools.cache
-def linear_kernel(compiled: bool) -> Callable:
-    """An nn.Linear forward(module, x) through onednn_linear, made once per process. Compiled, onednn_linear is an
-    operator of its own (named after this module), which torch.compile calls as it is (its lowering of the mkldnn
-    op takes only weights frozen into the graph); torch.library's plain registration adds about 2 us a call."""
-    if not compiled:
-        return lambda module, x: onednn_linear(x, module.weight, module.bias)
+def onednn_linear() -> Callable:
+    """An nn.Linear forward(module, x) through oneDNN's fp32 matmul (PyTorch's mkldnn op, no gradients) instead of
+    BLAS's, made once per process. The op is registered as an operator of its own (named after this module), which
+    torch.compile calls as it is (its lowering of the mkldnn op takes only weights frozen into the graph);
+    torch.library's plain registration adds about 2 us a call."""
     name = f"{__name__.replace('.', '_')}::onednn_linear"
+    matmul = torch.ops.mkldnn._linear_pointwise
     torch.library.define(name, "(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
-    torch.library.impl(name, "cpu", onednn_linear)
+    torch.library.impl(name, "cpu", lambda x, weight, bias: matmul(x, weight, bias, "none", [], ""))
     torch.library.register_fake(name, lambda x, weight, bias: x.new_empty(*x.shape[:-1], weight.shape[0]))
     op = getattr(torch.ops, name.split("::")[0]).onednn_linear
     return lambda module, x: op(x, module.weight, module.bias)
 
 
 @contextlib.contextmanager
-def onednn_linears(model: torch.nn.Module, compiled: bool):
+def onednn_linears(model: torch.nn.Module):
     """Within, the model's fp32 nn.Linear layers on a CPU run through oneDNN's matmul, in a pass without gradients
     and outside autocast (whose bf16 matmuls take oneDNN already); their own forward back after. On this project's
-    2-core machine, MKL's fp32 matmuls were the decode step's largest cost and oneDNN's took 0.6-0.8x their time
+    2-core machine, MKL's fp32 matmuls were the decode step's largest cost and oneDNN's took about 0.7x their time
     (benchmarks/decode_steps.py). The model's own forward runs: only the kernel of its linear layers changes (the
     output layer's fp32 wrapper, there for autocast, is set aside within and back after)."""
     on = (torch.backends.mkldnn.is_available() and not torch.is_grad_enabled()
           and not torch.is_autocast_enabled("cpu"))
     linears = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.device.type == "cpu"
                and m.weight.dtype == torch.float32] if on else []
-    kernel = linear_kernel(compiled)
     own = [module.__dict__.get("forward") for module in linears]  # fp32_output_layer's wrapper, or None
     for module in linears:
-        module.forward = kernel.__get__(module)  # a method of the module: torch.compile keeps its graph across uses
+        module.forward = onednn_linear().__get__(module)  # a method: torch.compile keeps its graph across uses
     try:
         yield model
     finally:
@@ -1148,7 +1142,7 @@ def generate(policy, tokenizer, queries: torch.Tensor, gen: GenerationConfig, st
     reason = decode_loop_unsupported(policy, gen, cache_length(Lq, gen.max_new_tokens))
     with no_checkpointing(policy):
         if reason is None:
-            with onednn_linears(policy, compiled=gen.compile_config is not None):
+            with onednn_linears(policy):
                 out = decode_loop(policy, queries, attention_mask, gen, stop)
         else:
             print_once(f"generation through model.generate, not the decode loop: {reason}")

@@ -94,7 +94,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; 32 prompts of 8 tokens, {args.steps} steps")
     with torch.no_grad():
         for compiled in [False] if args.no_compile else [False, True]:
-            with ppo.onednn_linears(policy, compiled):  # as ppo.generate runs the loop: oneDNN's matmuls on a CPU
+            with ppo.onednn_linears(policy):  # as ppo.generate runs the loop: oneDNN's matmuls on a CPU
                 rows, first, table = profile(policy, queries, mask, args.steps, compiled)
             print(f"\n{'compiled (--compile)' if compiled else 'eager'}: first decode {first:.1f} s")
             print("| part | ms |\n| --- | --- |\n" + "\n".join(rows))
@@ -108,7 +108,7 @@ def main() -> None:
 
         def onednn_matmuls():  # the same through oneDNN's, as ppo.onednn_linears runs them
             for x, weight in linears:
-                ppo.onednn_linear(x, weight, None)
+                torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
 
         print(f"the matmuls of one step alone ({len(linears)} linear layers): {median_ms(matmuls, 20):.2f} ms "
               f"through BLAS (torch.nn.functional.linear), {median_ms(onednn_matmuls, 20):.2f} ms through oneDNN")

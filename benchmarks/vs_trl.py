@@ -161,7 +161,7 @@ def generation_speed(art: Path, repeats: int = 5) -> tuple[dict[str, float], flo
     compiled.compile_config = CompileConfig(fullgraph=True, dynamic=False, mode="default")
 
     def as_generate_runs_it(model, config):  # ppo.generate's decode loop: linear layers through oneDNN on a CPU
-        with ppo.onednn_linears(model, compiled=config.compile_config is not None):
+        with ppo.onednn_linears(model):
             return ppo.decode_loop(model, queries, mask, config)
 
     paths = {"model.generate": lambda: policy.generate(input_ids=queries, attention_mask=mask, generation_config=gen),

@@ -294,7 +294,7 @@ def test_onednn_linears_change_the_kernel_and_nothing_else():
     with torch.no_grad():
         plain_logits = model(input_ids=queries, attention_mask=mask).logits
         plain = ppo.decode_loop(model, queries, mask, gen)
-        with ppo.onednn_linears(model, compiled=False):
+        with ppo.onednn_linears(model):
             assert all(forward is not None and forward not in own for forward in linear_forwards(model))
             with torch.profiler.profile() as prof:
                 logits = model(input_ids=queries, attention_mask=mask).logits
@@ -303,15 +303,16 @@ def test_onednn_linears_change_the_kernel_and_nothing_else():
     assert "mkldnn::_linear_pointwise" in ops and not ops & {"aten::mm", "aten::addmm", "aten::bmm"}, ops
     torch.testing.assert_close(logits, plain_logits, rtol=1e-5, atol=1e-5)
     assert linear_forwards(model) == own
-    with ppo.onednn_linears(model, compiled=False):  # gradients on: BLAS, as before
+    with ppo.onednn_linears(model):  # gradients on: BLAS, as before
         assert linear_forwards(model) == own
-    with torch.no_grad(), ppo.autocast("bf16", torch.device("cpu")), ppo.onednn_linears(model, compiled=False):
+    with torch.no_grad(), ppo.autocast("bf16", torch.device("cpu")), ppo.onednn_linears(model):
         assert linear_forwards(model) == own
 
 
 def test_onednn_linears_under_compile_keep_one_graph():
-    """--compile's decode step with oneDNN's linear layers (a custom op, which torch.compile calls as it is) gives
-    the eager tokens and compiles once for two calls, each in its own onednn_linears."""
+    """--compile's decode step with oneDNN's linear layers (an operator registered with torch.library, which
+    torch.compile calls as it is) gives the eager tokens and compiles once for two calls, each in its own
+    onednn_linears."""
     model = tiny(LlamaConfig)
     queries, mask = left_padded([1, 5, 6, 7], [1, 9, 10, 11, 12, 13, 14])
     gen = GenerationConfig(do_sample=False, max_new_tokens=6, **SPECIAL)
@@ -321,7 +322,7 @@ def test_onednn_linears_under_compile_keep_one_graph():
     torch._dynamo.utils.counters.clear()  # the graphs of tests before
     ppo.compiled_decode_step.cache_clear()
     for _ in range(2):
-        with ppo.onednn_linears(model, compiled=True):
+        with ppo.onednn_linears(model):
             assert torch.equal(ppo.decode_loop(model, queries, mask, gen), eager)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     assert linear_forwards(model) == [None] * 15
