@@ -1083,12 +1083,13 @@ def onednn_linear() -> Callable:
     BLAS's, made once per process. The op is registered as an operator of its own (named after this module), which
     torch.compile calls as it is (its lowering of the mkldnn op takes only weights frozen into the graph);
     torch.library's plain registration adds about 2 us a call."""
-    name = f"{__name__.replace('.', '_')}::onednn_linear"
-    matmul = torch.ops.mkldnn._linear_pointwise
-    torch.library.define(name, "(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
-    torch.library.impl(name, "cpu", lambda x, weight, bias: matmul(x, weight, bias, "none", [], ""))
-    torch.library.register_fake(name, lambda x, weight, bias: x.new_empty(*x.shape[:-1], weight.shape[0]))
-    op = getattr(torch.ops, name.split("::")[0]).onednn_linear
+    namespace = __name__.replace(".", "_")
+    if not hasattr(getattr(torch.ops, namespace), "onednn_linear"):  # not yet: a script run again in one process
+        name, matmul = f"{namespace}::onednn_linear", torch.ops.mkldnn._linear_pointwise  # (runpy) finds it there
+        torch.library.define(name, "(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+        torch.library.impl(name, "cpu", lambda x, weight, bias: matmul(x, weight, bias, "none", [], ""))
+        torch.library.register_fake(name, lambda x, weight, bias: x.new_empty(*x.shape[:-1], weight.shape[0]))
+    op = getattr(torch.ops, namespace).onednn_linear
     return lambda module, x: op(x, module.weight, module.bias)
 
 
