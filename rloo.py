@@ -10,8 +10,7 @@ docs/rloo.md explains every numbered step and every logged metric.
 
 Same prompt sources, reward functions, reward models, generation settings, run records and checkpoints as ppo.py;
 the helpers they share are copies (tests/test_copies.py keeps them identical), so this file stands alone. Custom
-loops import `rloo_step`.
-"""
+loops import `rloo_step`."""
 
 from __future__ import annotations
 
@@ -47,6 +46,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import distribute_tensor
 from tqdm import tqdm
 from transformers import (
+    AttentionInterface,
+    AttentionMaskInterface,
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
@@ -261,8 +262,7 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
     not be trained on (tool output: no gradient, no KL). The KL estimator is kl_estimator_for(hp) (a ValueError for
     k1 in the loss). ref_policy None means the policy with its LoRA adapters off (peft). The models must not apply
     dropout (a ValueError: call disable_dropout(model) or model.eval() first), or the rollout's and the update's
-    forward passes would differ. Returns metrics.
-    """
+    forward passes would differ. Returns metrics."""
     B, T = responses.shape
     k = hp.rloo_k
     if k < 2 or B % k:
@@ -1079,42 +1079,82 @@ def decode_loop(model, queries: torch.Tensor, attention_mask: torch.Tensor, gen:
 
 @functools.cache
 def onednn_linear() -> Callable:
-    """An nn.Linear forward(module, x) through oneDNN's fp32 matmul (PyTorch's mkldnn op, no gradients) instead of
-    BLAS's, made once per process. The op is registered as an operator of its own (named after this module), which
-    torch.compile calls as it is (its lowering of the mkldnn op takes only weights frozen into the graph);
-    torch.library's plain registration adds about 2 us a call."""
+    """An nn.Linear forward(module, x) through oneDNN's fp32 matmul (PyTorch's mkldnn op, no gradients) with the
+    weight that onednn_linears packed into oneDNN's own layout, made once per process. The op is registered as an
+    operator of its own (named after this module), which torch.compile calls as it is (its lowering of the mkldnn op
+    takes only weights frozen into the graph); torch.library's plain registration adds about 2 us a call."""
     namespace = __name__.replace(".", "_")
     if not hasattr(getattr(torch.ops, namespace), "onednn_linear"):  # not yet: a script run again in one process
         name, matmul = f"{namespace}::onednn_linear", torch.ops.mkldnn._linear_pointwise  # (runpy) finds it there
         torch.library.define(name, "(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
-        torch.library.impl(name, "cpu", lambda x, weight, bias: matmul(x, weight, bias, "none", [], ""))
+        torch.library.impl(name, "default", lambda x, weight, bias: matmul(x, weight, bias, "none", [], ""))
         torch.library.register_fake(name, lambda x, weight, bias: x.new_empty(*x.shape[:-1], weight.shape[0]))
-    op = getattr(torch.ops, namespace).onednn_linear
-    return lambda module, x: op(x, module.weight, module.bias)
+    op = getattr(torch.ops, namespace).onednn_linear  # "default": for the packed weight's backend (MkldnnCPU) too
+    return lambda module, x: op(x, module.onednn_weight, module.bias)
 
 
 @contextlib.contextmanager
 def onednn_linears(model: torch.nn.Module):
     """Within, the model's fp32 nn.Linear layers on a CPU run through oneDNN's matmul, in a pass without gradients
-    and outside autocast (whose bf16 matmuls take oneDNN already); their own forward back after. On this project's
-    2-core machine, MKL's fp32 matmuls were the decode step's largest cost and oneDNN's took about 0.7x their time
-    (benchmarks/decode_steps.py). The model's own forward runs: only the kernel of its linear layers changes (the
-    output layer's fp32 wrapper, there for autocast, is set aside within and back after)."""
+    and outside autocast (whose bf16 matmuls take oneDNN already); their own forward back after. Each weight is
+    packed once on entry into the blocked layout that oneDNN's kernel reads fastest (a copy, freed on exit). On
+    this project's 2-core machine, MKL's fp32 matmuls were the decode step's largest cost; oneDNN's took about 0.7x
+    their time with plain weights, 0.55x packed (benchmarks/decode_steps.py). The model's own forward runs: only the
+    kernel of its linear layers changes (the output layer's fp32 wrapper, there for autocast, is set aside within
+    and back after)."""
     on = (torch.backends.mkldnn.is_available() and not torch.is_grad_enabled()
           and not torch.is_autocast_enabled("cpu"))
     linears = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.device.type == "cpu"
                and m.weight.dtype == torch.float32] if on else []
     own = [module.__dict__.get("forward") for module in linears]  # fp32_output_layer's wrapper, or None
     for module in linears:
+        module.onednn_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight)  # [out, in], blocked
         module.forward = onednn_linear().__get__(module)  # a method: torch.compile keeps its graph across uses
     try:
         yield model
     finally:
         for module, forward in zip(linears, own):
+            del module.onednn_weight
             if forward is None:
                 del module.forward
             else:
                 module.forward = forward
+
+
+def one_query_attention(module, query, key, value, attention_mask, scaling: float | None = None, dropout: float = 0.0,
+                        **kwargs) -> tuple:
+    """Attention for one new token per row over a static cache, as products and sums that torch.compile fuses into
+    one loop: on a CPU, SDPA's flash kernel took a quarter of a compiled decode step for one query per row
+    (benchmarks/decode_steps.py). query [B, H, 1, D], key and value [B, Hkv, C, D] (Hkv divides H), attention_mask
+    [B, 1, 1, C] (bool, True where the token attends) from SDPA's mask. Anything else goes to SDPA."""
+    if query.shape[2] != 1 or dropout or attention_mask is None or attention_mask.dtype != torch.bool or any(
+            kwargs.get(k) is not None for k in ("softcap", "s_aux", "sinks", "position_bias")):
+        return AttentionInterface()["sdpa"](module, query, key, value, attention_mask, dropout=dropout,
+                                            scaling=scaling, **kwargs)
+    B, H, _, D = query.shape
+    Hkv = key.shape[1]
+    q = query.view(B, Hkv, H // Hkv, 1, D)  # a group of H // Hkv query heads per key/value head
+    scores = (q * key[:, :, None]).sum(-1) * (D ** -0.5 if scaling is None else scaling)  # [B, Hkv, G, C]
+    probs = scores.masked_fill(~attention_mask, float("-inf")).softmax(-1)  # [B, Hkv, G, C]
+    out = (probs[..., None] * value[:, :, None]).sum(-2)  # [B, Hkv, G, D]
+    return out.reshape(B, 1, H, D), None
+
+
+@contextlib.contextmanager
+def fused_attention(model: torch.nn.Module, compiled: bool):
+    """Within, a compiled decode step on a CPU takes one_query_attention: the model's attention implementation is
+    switched from SDPA to it (SDPA's mask kept) and back after. Eager, or on a GPU, nothing changes."""
+    name = f"{__name__.replace('.', '_')}_one_query"
+    on = compiled and model.device.type == "cpu" and model.config._attn_implementation == "sdpa"
+    if on:
+        AttentionInterface.register(name, one_query_attention)
+        AttentionMaskInterface.register(name, AttentionMaskInterface()["sdpa"])
+        model.set_attn_implementation(name)
+    try:
+        yield model
+    finally:
+        if on:
+            model.set_attn_implementation("sdpa")
 
 
 def stop_check(tokenizer, stop_strings: list[str]) -> Callable:
@@ -1143,7 +1183,7 @@ def generate(policy, tokenizer, queries: torch.Tensor, gen: GenerationConfig, st
     reason = decode_loop_unsupported(policy, gen, cache_length(Lq, gen.max_new_tokens))
     with no_checkpointing(policy):
         if reason is None:
-            with onednn_linears(policy):
+            with onednn_linears(policy), fused_attention(policy, gen.compile_config is not None):
                 out = decode_loop(policy, queries, attention_mask, gen, stop)
         else:
             print_once(f"generation through model.generate, not the decode loop: {reason}")

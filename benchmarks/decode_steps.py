@@ -1,9 +1,10 @@
 """Where one step of the decode loop spends its time, on vs_trl.py's generation line (its 4-layer policy, 32 prompts
 of 8 tokens, 32 sampled tokens): the prefill, one step of the model's forward (eager with a growing cache, compiled
 with a static one, as ppo.decode_loop runs each), next_token's sampling, and the operators of the steps under
-torch.profiler. The steps run as ppo.generate runs them, the linear layers through oneDNN (ppo.onednn_linears).
-Also the matmuls of one step alone, through BLAS and through oneDNN: the floor that no decoding around the model's
-forward goes below.
+torch.profiler. The steps run as ppo.generate runs them: the linear layers through oneDNN (ppo.onednn_linears),
+the compiled step's attention fused (ppo.fused_attention).
+Also the matmuls of one step alone, through BLAS and through oneDNN (weights as they are, and packed in oneDNN's
+layout as ppo.onednn_linears packs them): the floor that no decoding around the model's forward goes below.
 
     python benchmarks/decode_steps.py                 # eager and compiled, about a minute
     python benchmarks/decode_steps.py --no-compile --steps 8
@@ -94,7 +95,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; 32 prompts of 8 tokens, {args.steps} steps")
     with torch.no_grad():
         for compiled in [False] if args.no_compile else [False, True]:
-            with ppo.onednn_linears(policy):  # as ppo.generate runs the loop: oneDNN's matmuls on a CPU
+            # as ppo.generate runs the loop: oneDNN's matmuls on a CPU, compiled steps with the fused attention
+            with ppo.onednn_linears(policy), ppo.fused_attention(policy, compiled):
                 rows, first, table = profile(policy, queries, mask, args.steps, compiled)
             print(f"\n{'compiled (--compile)' if compiled else 'eager'}: first decode {first:.1f} s")
             print("| part | ms |\n| --- | --- |\n" + "\n".join(rows))
@@ -106,12 +108,17 @@ def main() -> None:
             for x, weight in linears:
                 torch.nn.functional.linear(x, weight)
 
-        def onednn_matmuls():  # the same through oneDNN's, as ppo.onednn_linears runs them
-            for x, weight in linears:
-                torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+        def onednn_matmuls(packed: bool):  # the same through oneDNN's; packed, as ppo.onednn_linears runs them
+            for (x, weight), packed_weight in zip(linears, packed_weights):
+                torch.ops.mkldnn._linear_pointwise(x, packed_weight if packed else weight, None, "none", [], "")
 
+        start = time.perf_counter()
+        packed_weights = [torch.ops.mkldnn._reorder_linear_weight(weight) for _, weight in linears]
+        pack_ms = 1000 * (time.perf_counter() - start)
         print(f"the matmuls of one step alone ({len(linears)} linear layers): {median_ms(matmuls, 20):.2f} ms "
-              f"through BLAS (torch.nn.functional.linear), {median_ms(onednn_matmuls, 20):.2f} ms through oneDNN")
+              f"through BLAS (torch.nn.functional.linear), {median_ms(lambda: onednn_matmuls(False), 20):.2f} ms "
+              f"through oneDNN with the weights as they are, {median_ms(lambda: onednn_matmuls(True), 20):.2f} ms "
+              f"with them packed in oneDNN's layout (packing them took {pack_ms:.1f} ms, once per decode)")
 
 
 if __name__ == "__main__":

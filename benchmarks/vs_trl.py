@@ -65,10 +65,8 @@ def run(cmd: list[str], env: dict | None = None, cwd: Path = ROOT) -> str:
     return result.stdout
 
 
-def ours(algo: str, iterations: int, art: Path, dtype: str, compile_: bool, extra: tuple = (),
-         root: Path = ROOT) -> dict:
-    """Run our script (the one in `root`: another checkout for before/after figures) on the benchmark settings (plus
-    `extra` flags); per-iteration seconds from its metrics.jsonl."""
+def our_command(algo: str, iterations: int, art: Path, dtype: str, compile_: bool, extra: tuple = ()) -> tuple:
+    """Our script's arguments on the benchmark settings (plus `extra` flags), and the folder it writes to."""
     out = Path(f"/tmp/bench_ours_{algo}")
     common = ["--output-dir", str(out), "--learning-rate", "3e-6" if algo != "prm" else "1e-5", "--dtype", dtype]
     common += ["--compile"] if compile_ else []
@@ -84,7 +82,15 @@ def ours(algo: str, iterations: int, art: Path, dtype: str, compile_: bool, extr
         args = ["stepwise_prm.py", "--model", art / "policy", "--dataset", art / "prm.jsonl", "--batch-size", "16",
                 "--max-length", "256", "--total-steps", str(iterations), "--eval-every", "100000",
                 "--num-eval-rows", "16"]
-    text = run([sys.executable, "-c", PEAK, *map(str, args), *common, *extra], env={"HF_HUB_OFFLINE": "1"}, cwd=root)
+    return [*map(str, args), *common, *extra], out
+
+
+def ours(algo: str, iterations: int, art: Path, dtype: str, compile_: bool, extra: tuple = (),
+         root: Path = ROOT) -> dict:
+    """Run our script (the one in `root`: another checkout for before/after figures) on the benchmark settings (plus
+    `extra` flags); per-iteration seconds from its metrics.jsonl."""
+    args, out = our_command(algo, iterations, art, dtype, compile_, extra)
+    text = run([sys.executable, "-c", PEAK, *args], env={"HF_HUB_OFFLINE": "1"}, cwd=root)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:-1]  # no eval rows
     times = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(rows, rows[1:])]
     tokens = [r["train/tokens"] for r in rows] if algo == "prm" else []
@@ -142,12 +148,13 @@ def bare_compute(algo: str, art: Path, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
-def generation_speed(art: Path, repeats: int = 5) -> tuple[dict[str, float], float]:
+def generation_speed(art: Path, repeats: int = 9) -> tuple[dict[str, float], float]:
     """Seconds for 32 x 32 sampled tokens after 8-token prompts, the same sampling on every path, medians of
     `repeats` runs taken in turn: model.generate; the previous decode loop (benchmarks/old_decode.py's lean_decode);
     ppo.decode_loop with the BLAS library's matmuls (as the previous decoder took them); ppo.decode_loop as
-    ppo.generate runs it (ppo.onednn_linears: oneDNN's matmuls on a CPU); and that as --compile runs it (the forward
-    under torch.compile(dynamic=True) for the prefill, the one-token step compiled once, fullgraph and fixed shapes).
+    ppo.generate runs it (ppo.onednn_linears: oneDNN's matmuls, weights packed, on a CPU); and that as --compile runs
+    it (the forward under torch.compile(dynamic=True), the one-token step compiled once, fullgraph and fixed shapes,
+    its attention fused on a CPU: ppo.fused_attention).
     Also the seconds that first compile took."""
     from transformers import AutoModelForCausalLM, CompileConfig, GenerationConfig
 
@@ -160,8 +167,8 @@ def generation_speed(art: Path, repeats: int = 5) -> tuple[dict[str, float], flo
     compiled = copy.deepcopy(gen)
     compiled.compile_config = CompileConfig(fullgraph=True, dynamic=False, mode="default")
 
-    def as_generate_runs_it(model, config):  # ppo.generate's decode loop: linear layers through oneDNN on a CPU
-        with ppo.onednn_linears(model):
+    def as_generate_runs_it(model, config):  # ppo.generate's loop: oneDNN's linear layers, compiled attention fused
+        with ppo.onednn_linears(model), ppo.fused_attention(model, config.compile_config is not None):
             return ppo.decode_loop(model, queries, mask, config)
 
     paths = {"model.generate": lambda: policy.generate(input_ids=queries, attention_mask=mask, generation_config=gen),

@@ -283,9 +283,10 @@ def linear_forwards(model) -> list:
 
 def test_onednn_linears_change_the_kernel_and_nothing_else():
     """Within onednn_linears, a pass without gradients runs the model's linear layers through oneDNN's matmul (the
-    profiler sees mkldnn's linear and no BLAS matmul) with the plain forward's logits and greedy tokens; each layer's
-    own forward is back after, the output layer's fp32 wrapper (fp32_output_layer) included. With gradients or
-    under autocast it changes nothing."""
+    profiler sees mkldnn's linear and no BLAS matmul) with the plain forward's logits and greedy tokens, each weight
+    packed in oneDNN's layout on entry (so a weight changed in between, as an optimizer step changes it, is packed
+    anew); each layer's own forward is back after, the output layer's fp32 wrapper (fp32_output_layer) included and
+    the packed copies gone. With gradients or under autocast it changes nothing."""
     model = ppo.fp32_output_layer(tiny(LlamaConfig))
     own = linear_forwards(model)
     assert own[-1] is not None and own[:-1] == [None] * 14  # the output layer's wrapper, the others' class forward
@@ -296,6 +297,7 @@ def test_onednn_linears_change_the_kernel_and_nothing_else():
         plain = ppo.decode_loop(model, queries, mask, gen)
         with ppo.onednn_linears(model):
             assert all(forward is not None and forward not in own for forward in linear_forwards(model))
+            assert all(m.onednn_weight.is_mkldnn for m in model.modules() if type(m) is torch.nn.Linear)
             with torch.profiler.profile() as prof:
                 logits = model(input_ids=queries, attention_mask=mask).logits
             ops = {event.key for event in prof.key_averages()}
@@ -303,6 +305,13 @@ def test_onednn_linears_change_the_kernel_and_nothing_else():
     assert "mkldnn::_linear_pointwise" in ops and not ops & {"aten::mm", "aten::addmm", "aten::bmm"}, ops
     torch.testing.assert_close(logits, plain_logits, rtol=1e-5, atol=1e-5)
     assert linear_forwards(model) == own
+    assert not any(hasattr(m, "onednn_weight") for m in model.modules())
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight.mul_(-2.0)  # as an optimizer step would, in place
+        changed_logits = model(input_ids=queries, attention_mask=mask).logits
+        with ppo.onednn_linears(model):
+            torch.testing.assert_close(model(input_ids=queries, attention_mask=mask).logits, changed_logits,
+                                       rtol=1e-5, atol=1e-5)
     with ppo.onednn_linears(model):  # gradients on: BLAS, as before
         assert linear_forwards(model) == own
     with torch.no_grad(), ppo.autocast("bf16", torch.device("cpu")), ppo.onednn_linears(model):
@@ -326,3 +335,52 @@ def test_onednn_linears_under_compile_keep_one_graph():
             assert torch.equal(ppo.decode_loop(model, queries, mask, gen), eager)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     assert linear_forwards(model) == [None] * 15
+
+
+# ---- the compiled step's attention on a CPU: products and sums, SDPA's results ------------------------------------
+
+
+def test_one_query_attention_gives_sdpas_output():
+    """One query per row over a cache with masked slots (left padding, slots not written yet), grouped-query heads
+    (2 key/value heads for 6 query heads): SDPA's output; with more than one query, or no mask, it is SDPA."""
+    torch.manual_seed(0)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal, module.training = 3, True, False
+    key, value = torch.randn(2, 2, 10, 8), torch.randn(2, 2, 10, 8)
+    mask = torch.ones(2, 1, 1, 10, dtype=torch.bool)
+    mask[0, ..., :3] = False  # left padding of row 0
+    mask[..., 7:] = False  # slots not written yet
+    sdpa = ppo.AttentionInterface()["sdpa"]
+    for query, m in [(torch.randn(2, 6, 1, 8), mask), (torch.randn(2, 6, 4, 8), mask.expand(2, 1, 4, 10)),
+                     (torch.randn(2, 6, 1, 8), None)]:
+        out, _ = ppo.one_query_attention(module, query, key, value, m, scaling=0.3)
+        expected, _ = sdpa(module, query, key, value, m, scaling=0.3)
+        assert out.shape == expected.shape == (2, query.shape[2], 6, 8)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    unmasked, masked = out, ppo.one_query_attention(module, query, key, value, mask, scaling=0.3)[0]
+    assert (unmasked - masked).abs().min() > 1e-3  # the mask counts: every head of every row changes
+
+
+def test_fused_attention_takes_the_compiled_step_only():
+    """Within fused_attention, a compiled decode step on a CPU runs no SDPA kernel (the profiler sees none) and decodes
+    the eager tokens, one graph for two calls; eager decoding keeps SDPA; the model's attention is SDPA again after."""
+    model = tiny(LlamaConfig)
+    queries, mask = left_padded([1, 5, 6, 7], [1, 9, 10, 11, 12, 13, 14])
+    gen = GenerationConfig(do_sample=False, max_new_tokens=6, **SPECIAL)
+    eager = ppo.decode_loop(model, queries, mask, gen)
+    with ppo.fused_attention(model, compiled=False):
+        assert model.config._attn_implementation == "sdpa"
+    gen.compile_config = ppo.CompileConfig(fullgraph=True, dynamic=False, mode="default")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # the graphs of tests before
+    ppo.compiled_decode_step.cache_clear()
+    for _ in range(2):
+        with ppo.fused_attention(model, compiled=True), torch.profiler.profile() as prof:
+            assert model.config._attn_implementation != "sdpa"
+            assert torch.equal(ppo.decode_loop(model, queries, mask, gen), eager)
+        steps = [e for e in prof.events() if e.name.startswith("Torch-Compiled Region")]
+        assert len(steps) == 5 and not any("scaled_dot_product" in e.name for e in prof.events()
+                                           if any(e.time_range.start >= s.time_range.start
+                                                  and e.time_range.end <= s.time_range.end for s in steps))
+        assert model.config._attn_implementation == "sdpa"
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
