@@ -59,7 +59,7 @@ from transformers import (
     PreTrainedTokenizerFast,
     StoppingCriteriaList,
 )
-from transformers.cache_utils import DynamicCache, StaticCache
+from transformers.cache_utils import DynamicCache, StaticCache, StaticLayer
 
 
 @dataclass
@@ -980,7 +980,8 @@ def decode_loop_unsupported(model, gen: GenerationConfig, length: int) -> str | 
     """Why decode_loop cannot take this model and these settings (None: it can). It takes any causal LM whose
     forward accepts a static key/value cache (transformers marks those `_can_compile_fullgraph`) that keeps all
     `length` tokens in every layer, unsharded, sampling with the settings next_token implements. Compiled (a static
-    cache, gen.compile_config set) under autocast, that cache must keep keys and values in their own dtypes."""
+    cache, gen.compile_config set), its layers must be plain static ones (no sliding window, even one longer than
+    the cache), and under autocast that cache must keep keys and values in their own dtypes."""
     others = GenerationConfig()  # every other generation setting must be left at its default
     skip = {"do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens",
             "min_new_tokens", "pad_token_id", "eos_token_id", "bos_token_id", "transformers_version", "compile_config"}
@@ -989,9 +990,12 @@ def decode_loop_unsupported(model, gen: GenerationConfig, length: int) -> str | 
         return f"generation setting(s) {', '.join(changed)} (the decode loop implements next_token's)"
     if not getattr(model, "_can_compile_fullgraph", False):
         return f"{type(model).__name__} does not take a static key/value cache"
-    if any(getattr(layer, "max_cache_len", None) != length
-           for layer in StaticCache(config=model.config, max_cache_len=length).layers):  # allocates nothing yet
+    layers = StaticCache(config=model.config, max_cache_len=length).layers  # allocates nothing yet
+    if any(getattr(layer, "max_cache_len", None) != length for layer in layers):
         return f"a layer keeps fewer than {length} tokens (sliding window or chunked attention)"
+    if gen.compile_config and any(type(layer) is not StaticLayer for layer in layers):  # under --compile
+        return ("a sliding-window layer's static cache counts its tokens in a Python int, which the compiled step "
+                "would keep at its first value (wrong tokens, silently)")
     if any(hasattr(p, "placements") for p in model.parameters()):
         return "the model is sharded (FSDP): all processes step together through generate(synced_gpus=True)"
     # under autocast, keys come out in the weights' dtype (RoPE runs in it) and values in the autocast dtype, `low`

@@ -274,6 +274,25 @@ def test_compiled_step_gives_the_eager_tokens():
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
+
+def test_compiled_loop_leaves_sliding_window_layers_to_generate():
+    """A sliding-window layer's static cache counts its tokens in a Python int, which the compiled step (its guards
+    skipped after the first) would keep at its first value: Mistral's window of 4,096 is longer than the cache, the
+    eager loop takes it and the compiled one gave wrong greedy tokens, silently. Under --compile such a model goes
+    through model.generate, with its tokens."""
+    tokenizer = ppo.build_tokenizer()
+    model = tiny(MistralConfig, vocab_size=len(tokenizer))
+    queries = ppo.left_pad([tokenizer("3+4=").input_ids, tokenizer("12+5=").input_ids], tokenizer.pad_token_id)
+    _, greedy = ppo.generation_configs(ppo.GenArgs(max_new_tokens=6), tokenizer, 1.0)
+    length = ppo.cache_length(queries.shape[1], 6)
+    assert ppo.decode_loop_unsupported(model, greedy, length) is None
+    mask = (queries != tokenizer.pad_token_id).long()
+    expected = model.generate(input_ids=queries, attention_mask=mask, generation_config=greedy)[:, queries.shape[1]:]
+    greedy.compile_config = ppo.CompileConfig(fullgraph=True, dynamic=False, mode="default")
+    assert "sliding-window" in ppo.decode_loop_unsupported(model, greedy, length)
+    responses, _, _ = ppo.generate(model, tokenizer, queries, greedy, [])
+    assert torch.equal(responses, ppo.cut_responses(tokenizer, expected, [])[0])
+
 # ---- oneDNN's matmuls on a CPU: another kernel, the same model -----------------------------------------------------
 
 
