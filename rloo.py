@@ -1094,31 +1094,33 @@ def onednn_linear() -> Callable:
         torch.library.impl(name, "default", lambda x, weight, bias: matmul(x, weight, bias, "none", [], ""))
         torch.library.register_fake(name, lambda x, weight, bias: x.new_empty(*x.shape[:-1], weight.shape[0]))
     op = getattr(torch.ops, namespace).onednn_linear  # "default": for the packed weight's backend (MkldnnCPU) too
-    return lambda module, x: op(x, module.onednn_weight, module.bias)
+    return lambda module, x: op(x.to(module.onednn_dtype), module.onednn_weight,
+                                None if module.bias is None else module.bias.to(module.onednn_dtype))
 
 
 @contextlib.contextmanager
 def onednn_linears(model: torch.nn.Module):
-    """Within, the model's fp32 nn.Linear layers on a CPU run through oneDNN's matmul, in a pass without gradients
-    and outside autocast (whose bf16 matmuls take oneDNN already); their own forward back after. Each weight is
-    packed once on entry into the blocked layout that oneDNN's kernel reads fastest (a copy, freed on exit). On
+    """Within, the model's fp32 nn.Linear layers on a CPU run through oneDNN's matmul in a pass without gradients;
+    their own forward back after. Each weight is packed once on entry into the blocked layout that oneDNN's kernel
+    reads fastest (a copy, freed on exit): in fp32, or under bf16 autocast in bf16, as autocast would cast it at
+    every call (a layer with a forward of its own, fp32_output_layer's, stays in fp32 as that forward computes). On
     this project's 2-core machine, MKL's fp32 matmuls were the decode step's largest cost; oneDNN's took about 0.7x
     their time with plain weights, 0.55x packed (benchmarks/decode_steps.py). The model's own forward runs: only the
-    kernel of its linear layers changes (the output layer's fp32 wrapper, there for autocast, is set aside within
-    and back after)."""
-    on = (torch.backends.mkldnn.is_available() and not torch.is_grad_enabled()
-          and not torch.is_autocast_enabled("cpu"))
+    kernel of its linear layers changes."""
+    low = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else torch.float32  # autocast's
+    on = torch.backends.mkldnn.is_available() and not torch.is_grad_enabled() and low in (torch.float32, torch.bfloat16)
     linears = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.device.type == "cpu"
                and m.weight.dtype == torch.float32] if on else []
     own = [module.__dict__.get("forward") for module in linears]  # fp32_output_layer's wrapper, or None
-    for module in linears:
-        module.onednn_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight)  # [out, in], blocked
+    for module, forward in zip(linears, own):
+        module.onednn_dtype = low if forward is None else torch.float32
+        module.onednn_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.to(module.onednn_dtype))
         module.forward = onednn_linear().__get__(module)  # a method: torch.compile keeps its graph across uses
     try:
         yield model
     finally:
         for module, forward in zip(linears, own):
-            del module.onednn_weight
+            del module.onednn_weight, module.onednn_dtype
             if forward is None:
                 del module.forward
             else:

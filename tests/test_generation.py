@@ -305,7 +305,9 @@ def test_onednn_linears_change_the_kernel_and_nothing_else():
     profiler sees mkldnn's linear and no BLAS matmul) with the plain forward's logits and greedy tokens, each weight
     packed in oneDNN's layout on entry (so a weight changed in between, as an optimizer step changes it, is packed
     anew); each layer's own forward is back after, the output layer's fp32 wrapper (fp32_output_layer) included and
-    the packed copies gone. With gradients or under autocast it changes nothing."""
+    the packed copies gone. Under bf16 autocast the weights are packed in bf16, as autocast would cast them, but the
+    output layer's, whose fp32_output_layer wrapper computes in fp32: autocast's logits. With gradients it changes
+    nothing."""
     model = ppo.fp32_output_layer(tiny(LlamaConfig))
     own = linear_forwards(model)
     assert own[-1] is not None and own[:-1] == [None] * 14  # the output layer's wrapper, the others' class forward
@@ -333,8 +335,16 @@ def test_onednn_linears_change_the_kernel_and_nothing_else():
                                        rtol=1e-5, atol=1e-5)
     with ppo.onednn_linears(model):  # gradients on: BLAS, as before
         assert linear_forwards(model) == own
-    with torch.no_grad(), ppo.autocast("bf16", torch.device("cpu")), ppo.onednn_linears(model):
-        assert linear_forwards(model) == own
+    with torch.no_grad(), ppo.autocast("bf16", torch.device("cpu")):  # bf16: the weights packed in bf16, as
+        autocast_logits = model(input_ids=queries, attention_mask=mask).logits  # autocast casts them, but the
+        with ppo.onednn_linears(model):  # output layer's, which fp32_output_layer computes in fp32
+            dtypes = [m.onednn_weight.dtype for m in model.modules() if type(m) is torch.nn.Linear]
+            with torch.profiler.profile() as prof:
+                logits = model(input_ids=queries, attention_mask=mask).logits
+        assert dtypes == [torch.bfloat16] * 14 + [torch.float32] and logits.dtype == torch.float32
+        assert not {event.key for event in prof.key_averages()} & {"aten::mm", "aten::addmm", "aten::linear"}
+        torch.testing.assert_close(logits, autocast_logits, rtol=1e-4, atol=1e-4)
+    assert linear_forwards(model) == own
 
 
 def test_onednn_linears_under_compile_keep_one_graph():
