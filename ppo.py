@@ -1107,8 +1107,9 @@ def onednn_linears(model: torch.nn.Module):
     this project's 2-core machine, MKL's fp32 matmuls were the decode step's largest cost; oneDNN's took about 0.7x
     their time with plain weights, 0.55x packed (benchmarks/decode_steps.py). The model's own forward runs: only the
     kernel of its linear layers changes."""
-    low = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else torch.float32  # autocast's
-    on = torch.backends.mkldnn.is_available() and not torch.is_grad_enabled() and low in (torch.float32, torch.bfloat16)
+    low = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else torch.float32  # what it computes in
+    on = torch.backends.mkldnn.is_available() and not torch.is_grad_enabled() and (low == torch.float32 or (
+        low == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()))  # this CPU's oneDNN does bf16
     linears = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.device.type == "cpu"
                and m.weight.dtype == torch.float32] if on else []
     own = [module.__dict__.get("forward") for module in linears]  # fp32_output_layer's wrapper, or None
@@ -1139,7 +1140,7 @@ def one_query_attention(module, query, key, value, attention_mask, scaling: floa
                                             scaling=scaling, **kwargs)
     B, H, _, D = query.shape
     Hkv = key.shape[1]
-    q = query.view(B, Hkv, H // Hkv, 1, D)  # a group of H // Hkv query heads per key/value head
+    q = query.view(B, Hkv, H // Hkv, 1, D)  # [B, Hkv, G, 1, D]: a group of G = H // Hkv query heads per key/value head
     scores = (q * key[:, :, None]).sum(-1) * (D ** -0.5 if scaling is None else scaling)  # [B, Hkv, G, C]
     probs = scores.masked_fill(~attention_mask, float("-inf")).softmax(-1)  # [B, Hkv, G, C]
     out = (probs[..., None] * value[:, :, None]).sum(-2)  # [B, Hkv, G, D]
