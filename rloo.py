@@ -1094,8 +1094,7 @@ def onednn_linear() -> Callable:
         torch.library.impl(name, "default", lambda x, weight, bias: matmul(x, weight, bias, "none", [], ""))
         torch.library.register_fake(name, lambda x, weight, bias: x.new_empty(*x.shape[:-1], weight.shape[0]))
     op = getattr(torch.ops, namespace).onednn_linear  # "default": for the packed weight's backend (MkldnnCPU) too
-    return lambda module, x: op(x.to(module.onednn_dtype), module.onednn_weight,
-                                None if module.bias is None else module.bias.to(module.onednn_dtype))
+    return lambda module, x: op(x.to(module.onednn_weight.dtype), module.onednn_weight, module.onednn_bias)
 
 
 @contextlib.contextmanager
@@ -1114,14 +1113,15 @@ def onednn_linears(model: torch.nn.Module):
                and m.weight.dtype == torch.float32] if on else []
     own = [module.__dict__.get("forward") for module in linears]  # fp32_output_layer's wrapper, or None
     for module, forward in zip(linears, own):
-        module.onednn_dtype = low if forward is None else torch.float32
-        module.onednn_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.to(module.onednn_dtype))
+        dtype = low if forward is None else torch.float32
+        module.onednn_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.to(dtype))
+        module.onednn_bias = None if module.bias is None else module.bias.to(dtype)  # cast once, not per call
         module.forward = onednn_linear().__get__(module)  # a method: torch.compile keeps its graph across uses
     try:
         yield model
     finally:
         for module, forward in zip(linears, own):
-            del module.onednn_weight, module.onednn_dtype
+            del module.onednn_weight, module.onednn_bias
             if forward is None:
                 del module.forward
             else:
