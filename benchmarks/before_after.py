@@ -5,16 +5,17 @@ as two processes at once that take turns: one runs an iteration while the other 
 the other runs one, and so on. So each pair of iterations is seconds apart and the machine's drift, which moves a
 whole run by 10-20% on this project's shared CPU, hits both sides alike. Each side's figure is the median of its
 iterations' seconds after warm-up (waits not counted); "paired" is the median of the after / before ratios of the
-iterations taken in turn. Used for issue 14's "no slower than before" (before: c120fc9).
+iterations taken in turn. Used for issue 14's "no slower than before" (before: c120fc9). With --bf16-gain, four
+processes take turns (each commit in fp32 and in bf16), and the figure compared is the bf16 gain, fp32 / bf16 s/iter:
+"paired" is then the median of after's gain / before's gain at each turn.
 
     python benchmarks/before_after.py --before c120fc9
     python benchmarks/before_after.py --before HEAD~3 --only rloo --iterations 40
     python benchmarks/before_after.py --before 28ab30d --dtype bf16 --only ppo --only prm   # bf16's attention kernel
+    python benchmarks/before_after.py --before c120fc9 --bf16-gain --only ppo   # fp32 / bf16, before and after
 """
 
 import argparse
-import json
-import os
 import statistics
 import subprocess
 import sys
@@ -26,59 +27,15 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import artifacts  # noqa: E402
 import vs_trl  # noqa: E402
 
-# Run the script (its path first in sys.argv) with its log_row made a turn: after each row, say "done" on one pipe
-# and wait for "go" on another; the seconds from one go to the next done are that iteration's time.
-TURNS = """
-import importlib, json, os, sys, time
-import tyro
-sys.argv = sys.argv[1:]
-sys.path.insert(0, os.getcwd())
-script = importlib.import_module(os.path.basename(sys.argv[0])[:-3])
-done, go, times, started = int(os.environ["TURN_DONE_FD"]), int(os.environ["TURN_GO_FD"]), [], []
-log_row = script.log_row
-def turn(*args, **kwargs):
-    log_row(*args, **kwargs)
-    if started:
-        times.append(time.perf_counter() - started.pop())
-    os.write(done, b".")
-    os.read(go, 1)
-    started.append(time.perf_counter())
-script.log_row = turn
-script.main(tyro.cli(script.Args))
-print("TURN_TIMES", json.dumps(times))
-"""
 
-
-def in_turn(commands: list[tuple[list[str], Path]], folder: Path) -> list[list[float]]:
-    """Start the commands at once and let them run one iteration at a time, in turn; each one's iteration seconds."""
-    procs = []
-    for i, (args, cwd) in enumerate(commands):
-        done_r, done_w = os.pipe()
-        go_r, go_w = os.pipe()
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TURN_DONE_FD": str(done_w), "TURN_GO_FD": str(go_r)}
-        stdout, stderr = open(folder / f"{i}.out", "w+"), open(folder / f"{i}.err", "w+")
-        proc = subprocess.Popen([sys.executable, "-c", TURNS, *args], cwd=cwd, env=env, pass_fds=(done_w, go_r),
-                                stdout=stdout, stderr=stderr)
-        os.close(done_w)
-        os.close(go_r)
-        procs.append((proc, done_r, go_w, stdout, stderr))
-    live = [p for p in procs if os.read(p[1], 1)]  # each one at its first row (the evaluation before training)
-    while live:
-        for p in list(live):
-            os.write(p[2], b".")
-            if not os.read(p[1], 1):  # the pipe closed: that run has ended
-                live.remove(p)
-    times = []
-    for proc, done_r, go_w, stdout, stderr in procs:
-        proc.wait()
-        os.close(done_r)
-        os.close(go_w)
-        stdout.seek(0)
-        stderr.seek(0)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{commands[len(times)][0][0]} failed:\n{stderr.read()[-3000:]}")
-        times.append(json.loads(stdout.read().split("TURN_TIMES")[-1]))
-    return times
+def times_in_turn(algo: str, sides: list[tuple[str, str, Path]], iterations: int, art: Path, tmp: str) -> list:
+    """Each side's (a name, its dtype, its checkout) iteration seconds after warm-up, all sides taking turns."""
+    commands = []
+    for name, dtype, root in sides:
+        cmd, _ = vs_trl.our_command(algo, iterations, art, dtype, False)
+        cmd[cmd.index("--output-dir") + 1] = str(Path(tmp) / f"{algo}_{name}")
+        commands.append((cmd, root))
+    return [t[vs_trl.WARMUP:-1] for t in vs_trl.in_turn(commands, Path(tmp))]  # the last iteration evaluates
 
 
 def main() -> None:
@@ -88,6 +45,8 @@ def main() -> None:
                         help="these rows only (default PPO and RLOO; PRM: seconds per step)")
     parser.add_argument("--iterations", type=int, default=20, help="iterations per side, taken in turn")
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="both sides in this dtype")
+    parser.add_argument("--bf16-gain", action="store_true",
+                        help="the bf16 speed gain (fp32 / bf16) before and after: four processes taking turns")
     args = parser.parse_args()
     art = artifacts.build()
     with tempfile.TemporaryDirectory() as tmp:
@@ -95,20 +54,31 @@ def main() -> None:
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(before), args.before], check=True,
                        capture_output=True)
         try:
-            print(f"| {args.dtype} | before ({args.before}) s/iter | after (this checkout) s/iter | after / before "
-                  "| paired after / before (quartiles) |")
+            if args.bf16_gain:
+                print(f"| bf16 gain (fp32 / bf16 s/iter) | before ({args.before}) | after (this checkout) "
+                      "| after / before | paired after / before (quartiles) |")
+            else:
+                print(f"| {args.dtype} | before ({args.before}) s/iter | after (this checkout) s/iter "
+                      "| after / before | paired after / before (quartiles) |")
             print("| --- | --- | --- | --- | --- |")
             for algo in args.only or ["ppo", "rloo"]:
-                commands = []
-                for side in ("before", "after"):
-                    cmd, _ = vs_trl.our_command(algo, args.iterations, art, args.dtype, False)
-                    cmd[cmd.index("--output-dir") + 1] = str(Path(tmp) / f"{algo}_{side}")
-                    commands.append((cmd, before if side == "before" else ROOT))
-                b, a = (t[vs_trl.WARMUP:-1] for t in in_turn(commands, Path(tmp)))  # the last one evaluates
-                ratios = [y / x for x, y in zip(b, a)]
-                q1, q2, q3 = statistics.quantiles(ratios, n=4)
-                print(f"| {algo.upper()} | {statistics.median(b):.3f} | {statistics.median(a):.3f} | "
-                      f"{statistics.median(a) / statistics.median(b):.3f} | {q2:.3f} ({q1:.3f}-{q3:.3f}) |",
+                if args.bf16_gain:
+                    sides = [(f"{side}_{dtype}", dtype, root) for side, root in (("before", before), ("after", ROOT))
+                             for dtype in ("fp32", "bf16")]
+                    b32, b16, a32, a16 = times_in_turn(algo, sides, args.iterations, art, tmp)
+                    b = [x / y for x, y in zip(b32, b16)]  # the gain at each turn
+                    a = [x / y for x, y in zip(a32, a16)]
+                    cells = [f"{statistics.median(s32) / statistics.median(s16):.3f} ({statistics.median(s32):.3f} / "
+                             f"{statistics.median(s16):.3f})" for s32, s16 in ((b32, b16), (a32, a16))]
+                    ratio = (statistics.median(a32) / statistics.median(a16)) / (
+                        statistics.median(b32) / statistics.median(b16))
+                else:
+                    b, a = times_in_turn(algo, [("before", args.dtype, before), ("after", args.dtype, ROOT)],
+                                         args.iterations, art, tmp)
+                    cells = [f"{statistics.median(b):.3f}", f"{statistics.median(a):.3f}"]
+                    ratio = statistics.median(a) / statistics.median(b)
+                q1, q2, q3 = statistics.quantiles([y / x for x, y in zip(b, a)], n=4)
+                print(f"| {algo.upper()} | {cells[0]} | {cells[1]} | {ratio:.3f} | {q2:.3f} ({q1:.3f}-{q3:.3f}) |",
                       flush=True)
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(before)], check=True)

@@ -11,7 +11,7 @@ virtual environment (benchmarks/.trl-venv), never into the project's.
     python benchmarks/vs_trl.py --learning --seeds 1 2   # RLOO on the built-in task against TRL's RLOOTrainer
     python benchmarks/vs_trl.py --only generation        # the generation line alone
     python benchmarks/vs_trl.py --lora-r 16 --rounds 1   # PPO and RLOO, both sides: full, LoRA r 16, + checkpointing
-    python benchmarks/vs_trl.py --bf16-gain              # ours only: fp32 and bf16 in turn, the bf16 speed gain
+    python benchmarks/vs_trl.py --bf16-gain              # ours only: fp32 and bf16 taking turns, the bf16 speed gain
 
 Each pair runs alternately (ours, TRL, ours, TRL, ...) so that machine noise hits both; per-iteration seconds are
 medians after warm-up; peak memory is the peak resident set (VmHWM) of each side's training process.
@@ -24,6 +24,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -44,6 +45,61 @@ PEAK = ("import atexit, runpy, sys; atexit.register(lambda: print('PEAK_RSS_MB',
         "open('/proc/self/status') if l.startswith('VmHWM:')) / 1024)); sys.argv = sys.argv[1:]; "
         "runpy.run_path(sys.argv[0], run_name='__main__')")
 WARMUP = 2  # iterations dropped from each run before taking the median
+
+
+# Run the script (its path first in sys.argv) with its log_row made a turn: after each row, say "done" on one pipe
+# and wait for "go" on another; the seconds from one go to the next done are that iteration's time.
+TURNS = """
+import importlib, json, os, sys, time
+import tyro
+sys.argv = sys.argv[1:]
+sys.path.insert(0, os.getcwd())
+script = importlib.import_module(os.path.basename(sys.argv[0])[:-3])
+done, go, times, started = int(os.environ["TURN_DONE_FD"]), int(os.environ["TURN_GO_FD"]), [], []
+log_row = script.log_row
+def turn(*args, **kwargs):
+    log_row(*args, **kwargs)
+    if started:
+        times.append(time.perf_counter() - started.pop())
+    os.write(done, b".")
+    os.read(go, 1)
+    started.append(time.perf_counter())
+script.log_row = turn
+script.main(tyro.cli(script.Args))
+print("TURN_TIMES", json.dumps(times))
+"""
+
+
+def in_turn(commands: list[tuple[list[str], Path]], folder: Path) -> list[list[float]]:
+    """Start the commands at once and let them run one iteration at a time, in turn; each one's iteration seconds."""
+    procs = []
+    for i, (args, cwd) in enumerate(commands):
+        done_r, done_w = os.pipe()
+        go_r, go_w = os.pipe()
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TURN_DONE_FD": str(done_w), "TURN_GO_FD": str(go_r)}
+        stdout, stderr = open(folder / f"{i}.out", "w+"), open(folder / f"{i}.err", "w+")
+        proc = subprocess.Popen([sys.executable, "-c", TURNS, *args], cwd=cwd, env=env, pass_fds=(done_w, go_r),
+                                stdout=stdout, stderr=stderr)
+        os.close(done_w)
+        os.close(go_r)
+        procs.append((proc, done_r, go_w, stdout, stderr))
+    live = [p for p in procs if os.read(p[1], 1)]  # each one at its first row (the evaluation before training)
+    while live:
+        for p in list(live):
+            os.write(p[2], b".")
+            if not os.read(p[1], 1):  # the pipe closed: that run has ended
+                live.remove(p)
+    times = []
+    for proc, done_r, go_w, stdout, stderr in procs:
+        proc.wait()
+        os.close(done_r)
+        os.close(go_w)
+        stdout.seek(0)
+        stderr.seek(0)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{commands[len(times)][0][0]} failed:\n{stderr.read()[-3000:]}")
+        times.append(json.loads(stdout.read().split("TURN_TIMES")[-1]))
+    return times
 
 
 def trl_python() -> str:
@@ -248,19 +304,26 @@ def lora_table(r: int, iterations: int, rounds: int) -> list[str]:
     return lines
 
 
-def bf16_gain(algos: list[str], iterations: int, rounds: int) -> list[str]:
-    """Our scripts in fp32 and in bf16 (--dtype bf16), one after the other in each round, so that the gain is taken
-    from runs minutes apart rather than from two separate benchmark runs; s/iter medians after warm-up (PRM: s/step)."""
+def bf16_gain(algos: list[str], iterations: int) -> list[str]:
+    """Our scripts in fp32 and in bf16 (--dtype bf16) as two processes taking turns iteration by iteration (in_turn),
+    so that the machine's drift hits both alike; s/iter medians after warm-up (PRM: s/step), the gain of the medians,
+    and the median (quartiles) of the paired gains, fp32 / bf16 over each pair of iterations taken in turn."""
     art = artifacts.build()
-    lines = ["| | fp32 s/iter | bf16 s/iter | bf16 gain (fp32 / bf16) |", "| --- | --- | --- | --- |"]
-    for algo in algos:
-        runs = {"fp32": [], "bf16": []}
-        for _ in range(rounds):
-            for dtype in runs:
-                runs[dtype].append(ours(algo, iterations, art, dtype, False))
-        a, b = (median_after_warmup([m["times"] for m in runs[dtype]]) for dtype in ("fp32", "bf16"))
-        lines.append(f"| {algo.upper()} | {a:.3f} | {b:.3f} | {a / b:.2f}x |")
-        print(lines[-1], flush=True)
+    lines = ["| | fp32 s/iter | bf16 s/iter | bf16 gain (fp32 / bf16) | paired gain (quartiles) |",
+             "| --- | --- | --- | --- | --- |"]
+    with tempfile.TemporaryDirectory() as tmp:
+        for algo in algos:
+            commands = []
+            for dtype in ("fp32", "bf16"):
+                cmd, _ = our_command(algo, iterations, art, dtype, False)
+                cmd[cmd.index("--output-dir") + 1] = str(Path(tmp) / f"{algo}_{dtype}")
+                commands.append((cmd, ROOT))
+            a, b = (t[WARMUP:-1] for t in in_turn(commands, Path(tmp)))  # the last iteration evaluates
+            q1, q2, q3 = statistics.quantiles([x / y for x, y in zip(a, b)], n=4)
+            a_s, b_s = statistics.median(a), statistics.median(b)
+            lines.append(f"| {algo.upper()} | {a_s:.3f} | {b_s:.3f} | {a_s / b_s:.2f}x | {q2:.2f}x ({q1:.2f}-{q3:.2f})"
+                         " |")
+            print(lines[-1], flush=True)
     return lines
 
 
@@ -276,13 +339,14 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[1], help="seeds of the learning comparison")
     parser.add_argument("--episodes", type=int, default=64_000, help="episodes of the learning comparison")
     parser.add_argument("--bf16-gain", action="store_true",
-                        help="only our scripts, fp32 and bf16 in turn in each round: the bf16 speed gain")
+                        help="only our scripts, fp32 and bf16 taking turns iteration by iteration (iterations x rounds "
+                             "each): the bf16 speed gain")
     parser.add_argument("--lora-r", type=int, default=0,
                         help="only PPO and RLOO, both sides: full fine-tuning against LoRA adapters of this rank")
     args = parser.parse_args()
     if args.bf16_gain:
         print("\n".join(bf16_gain([a for a in args.only or ["ppo", "rloo", "prm"] if a != "generation"],
-                                   args.iterations, args.rounds)))
+                                   args.iterations * args.rounds)))
         return
     if args.lora_r:
         print("\n".join(lora_table(args.lora_r, args.iterations, args.rounds)))
