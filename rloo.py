@@ -300,9 +300,9 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
                                                  hp.temperature)[0] for q, r in chunks])
 
     if fused:
-        with autocast(hp.dtype, device, queries.shape[1] + T):
+        with autocast(hp.dtype, device):
             first = shared_prefix_logprobs(policy, queries, responses, valid, pad_token_id, hp.temperature, True)
-    with torch.no_grad(), autocast(hp.dtype, device, queries.shape[1] + T), no_checkpointing(policy):
+    with torch.no_grad(), autocast(hp.dtype, device), no_checkpointing(policy):
         if need_old:
             old_logprobs = logprobs_of(policy)
         elif fused:
@@ -351,7 +351,7 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
                 if fused:
                     new_logprobs, entropy = (x[i] for x in first)
                 else:
-                    with autocast(hp.dtype, device, queries.shape[1] + T):
+                    with autocast(hp.dtype, device):
                         new_logprobs, entropy = shared_prefix_logprobs(policy, queries[pi], responses[i], valid[i],
                                                                        pad_token_id, hp.temperature, True)
                 if not need_old and not fused:
@@ -1136,8 +1136,7 @@ def one_query_attention(module, query, key, value, attention_mask, scaling: floa
     [B, 1, 1, C] (bool, True where the token attends) from SDPA's mask. Anything else goes to SDPA."""
     if query.shape[2] != 1 or dropout or attention_mask is None or attention_mask.dtype != torch.bool or any(
             kwargs.get(k) is not None for k in ("softcap", "s_aux", "sinks", "position_bias")):
-        return AttentionInterface()["sdpa"](module, query, key, value, attention_mask, dropout=dropout,
-                                            scaling=scaling, **kwargs)
+        return fp32_sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     B, H, _, D = query.shape
     Hkv = key.shape[1]
     q = query.view(B, Hkv, H // Hkv, 1, D)  # [B, Hkv, G, 1, D]: a group of G = H // Hkv query heads per key/value head
@@ -1151,8 +1150,8 @@ def one_query_attention(module, query, key, value, attention_mask, scaling: floa
 def fused_attention(model: torch.nn.Module, compiled: bool):
     """Within, a compiled decode step on a CPU takes one_query_attention: the model's attention implementation is
     switched from SDPA to it (SDPA's mask kept) and back after. Eager, or on a GPU, nothing changes."""
-    name = f"{__name__.replace('.', '_')}_one_query"
-    on = compiled and model.device.type == "cpu" and model.config._attn_implementation == "sdpa"
+    name, before = f"{__name__.replace('.', '_')}_one_query", model.config._attn_implementation
+    on = compiled and model.device.type == "cpu" and before in ("sdpa", FP32_SDPA)
     if on:
         AttentionInterface.register(name, one_query_attention)
         AttentionMaskInterface.register(name, AttentionMaskInterface()["sdpa"])
@@ -1161,7 +1160,7 @@ def fused_attention(model: torch.nn.Module, compiled: bool):
         yield model
     finally:
         if on:
-            model.set_attn_implementation("sdpa")
+            model.set_attn_implementation(before)
 
 
 def stop_check(tokenizer, stop_strings: list[str]) -> Callable:
@@ -1337,18 +1336,40 @@ def evaluate(policy, tokenizer, task: Task, greedy: GenerationConfig, stop_strin
 # Processes: autocast, data parallelism and FSDP2, dropout
 
 
-def autocast(dtype: str, device: torch.device, update_length: int = 0) -> contextlib.ExitStack:
-    """A context that runs forward passes in bf16 when dtype is 'bf16' (backward passes stay outside it). The passes
-    of an update over sequences of at most 160 tokens (`update_length`; 0: not an update) take PyTorch's math
-    attention kernel when on a CPU: it computes in fp32 as the flash kernel does, but the flash kernel's bf16
-    backward pass was 2.7x slower than the math kernel's at 64 tokens (even at 192, faster from 256; and the math
-    kernel keeps each layer's L x L attention weights for the backward pass). An update's passes without gradients
-    (old and reference logprobs) take it too, so that every logprob the update compares comes from one kernel."""
+def autocast(dtype: str, device: torch.device) -> contextlib.ExitStack:
+    """A context that runs forward passes in bf16 when dtype is 'bf16' (backward passes stay outside it); on a CPU,
+    a model that fp32_attention set up computes its attention in fp32 even then."""
     context = contextlib.ExitStack()
     context.enter_context(torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16"))
-    if dtype == "bf16" and device.type == "cpu" and 0 < update_length <= 160:
-        context.enter_context(torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH))
     return context
+
+
+def fp32_sdpa(module, query, key, value, attention_mask, **kwargs) -> tuple:
+    """SDPA as transformers calls it, but computed in fp32 on a CPU under bf16 autocast, for one query per row (a
+    decode step) or up to 512 keys. There queries and keys come in fp32 (RoPE runs in the residual stream's dtype)
+    and values in bf16, and autocast would cast all three down for a bf16 kernel. On this project's CPU the values
+    cast up and SDPA's fp32 flash kernel took 0.4-0.8x the time of its bf16 flash kernel for a forward and backward
+    pass up to 256 tokens, 0.94x at 512 but 1.5x at 1,024, and 0.3-0.5x for a decode step's one query at every
+    length; its gradients were closer to fp64's (benchmarks/attention_kernels.py). Anything else: SDPA as is."""
+    sdpa = AttentionInterface()["sdpa"]
+    if query.device.type != "cpu" or not torch.is_autocast_enabled("cpu") or (
+            query.shape[-2] > 1 and key.shape[-2] > 512):
+        return sdpa(module, query, key, value, attention_mask, **kwargs)
+    with torch.autocast("cpu", enabled=False):
+        return sdpa(module, query.float(), key.float(), value.float(), attention_mask, **kwargs)
+
+
+FP32_SDPA = f"{__name__.replace('.', '_')}_fp32_sdpa"  # fp32_sdpa's name in transformers' AttentionInterface
+
+
+def fp32_attention(model: torch.nn.Module) -> torch.nn.Module:
+    """Make a model on a CPU compute its SDPA attention in fp32 under bf16 autocast (fp32_sdpa, with SDPA's mask);
+    it is SDPA otherwise. A model elsewhere, or with another attention implementation (eager), is left as it is."""
+    if model.device.type == "cpu" and model.config._attn_implementation == "sdpa":
+        AttentionInterface.register(FP32_SDPA, fp32_sdpa)
+        AttentionMaskInterface.register(FP32_SDPA, AttentionMaskInterface()["sdpa"])
+        model.set_attn_implementation(FP32_SDPA)
+    return model
 
 
 def world_size() -> int:
@@ -1446,12 +1467,13 @@ def reference(policy, ref_policy) -> tuple:
 
 
 def place(models: list, device: torch.device, fsdp: bool, world: int) -> None:
-    """Move each model (None: absent) to the device with dropout off; under --fsdp, shard it over the processes."""
+    """Move each model (None: absent) to the device with dropout off (on a CPU, its attention fp32 under bf16:
+    fp32_attention); under --fsdp, shard it over the processes."""
     if fsdp and not torch.distributed.is_initialized():
         fail("--fsdp", True, "FSDP shards over processes: launch with torchrun --nproc_per_node N")
     for model in models:
         if model is not None:
-            disable_dropout(model.to(device))
+            disable_dropout(fp32_attention(model.to(device)))
             if fsdp:
                 shard(model, init_device_mesh(device.type, (world,)))
 

@@ -45,6 +45,8 @@ import tyro
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from tqdm import tqdm
 from transformers import (
+    AttentionInterface,
+    AttentionMaskInterface,
     AutoModelForCausalLM,
     AutoModelForTokenClassification,
     AutoTokenizer,
@@ -173,7 +175,7 @@ def prm_step(model, optimizer, batch: list[dict], *, pad_token_id: int, gradient
     total_loss = correct = tokens = real_tokens = bad = 0.0
     for start in range(0, len(batch), micro):
         mb = {k: v.to(device) for k, v in pad_batch(batch[start:start + micro], pad_token_id).items()}
-        with autocast(dtype, device, mb["input_ids"].shape[1]):
+        with autocast(dtype, device):
             logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits.float()  # [b, L, 2]
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), mb["labels"].flatten(), reduction="sum")
         (loss / n_labelled).backward()  # even when not finite: every process runs the same collectives
@@ -325,7 +327,7 @@ def main(args: Args) -> None:
     model = with_lora(model, args.memory)  # --lora-r: adapters and the head train, the rest is frozen
     if ckpt is not None:
         load_weights(model, ckpt / "model", AutoModelForTokenClassification)
-    model.to(device)
+    fp32_attention(model.to(device))  # on a CPU, attention in fp32 under bf16 (fp32_sdpa)
     optimizer = torch.optim.AdamW(trainable(model), lr=lr)
 
     # ---- seeding per process (dropout differs between ranks), or the saved state of a resumed run
@@ -688,18 +690,40 @@ def warm_start(lm, tokenizer, solutions: list[dict], steps: int, lr: float, batc
 # Processes: autocast, data parallelism (gradient averaging, the NaN guard), metrics over processes
 
 
-def autocast(dtype: str, device: torch.device, update_length: int = 0) -> contextlib.ExitStack:
-    """A context that runs forward passes in bf16 when dtype is 'bf16' (backward passes stay outside it). The passes
-    of an update over sequences of at most 160 tokens (`update_length`; 0: not an update) take PyTorch's math
-    attention kernel when on a CPU: it computes in fp32 as the flash kernel does, but the flash kernel's bf16
-    backward pass was 2.7x slower than the math kernel's at 64 tokens (even at 192, faster from 256; and the math
-    kernel keeps each layer's L x L attention weights for the backward pass). An update's passes without gradients
-    (old and reference logprobs) take it too, so that every logprob the update compares comes from one kernel."""
+def autocast(dtype: str, device: torch.device) -> contextlib.ExitStack:
+    """A context that runs forward passes in bf16 when dtype is 'bf16' (backward passes stay outside it); on a CPU,
+    a model that fp32_attention set up computes its attention in fp32 even then."""
     context = contextlib.ExitStack()
     context.enter_context(torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16"))
-    if dtype == "bf16" and device.type == "cpu" and 0 < update_length <= 160:
-        context.enter_context(torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH))
     return context
+
+
+def fp32_sdpa(module, query, key, value, attention_mask, **kwargs) -> tuple:
+    """SDPA as transformers calls it, but computed in fp32 on a CPU under bf16 autocast, for one query per row (a
+    decode step) or up to 512 keys. There queries and keys come in fp32 (RoPE runs in the residual stream's dtype)
+    and values in bf16, and autocast would cast all three down for a bf16 kernel. On this project's CPU the values
+    cast up and SDPA's fp32 flash kernel took 0.4-0.8x the time of its bf16 flash kernel for a forward and backward
+    pass up to 256 tokens, 0.94x at 512 but 1.5x at 1,024, and 0.3-0.5x for a decode step's one query at every
+    length; its gradients were closer to fp64's (benchmarks/attention_kernels.py). Anything else: SDPA as is."""
+    sdpa = AttentionInterface()["sdpa"]
+    if query.device.type != "cpu" or not torch.is_autocast_enabled("cpu") or (
+            query.shape[-2] > 1 and key.shape[-2] > 512):
+        return sdpa(module, query, key, value, attention_mask, **kwargs)
+    with torch.autocast("cpu", enabled=False):
+        return sdpa(module, query.float(), key.float(), value.float(), attention_mask, **kwargs)
+
+
+FP32_SDPA = f"{__name__.replace('.', '_')}_fp32_sdpa"  # fp32_sdpa's name in transformers' AttentionInterface
+
+
+def fp32_attention(model: torch.nn.Module) -> torch.nn.Module:
+    """Make a model on a CPU compute its SDPA attention in fp32 under bf16 autocast (fp32_sdpa, with SDPA's mask);
+    it is SDPA otherwise. A model elsewhere, or with another attention implementation (eager), is left as it is."""
+    if model.device.type == "cpu" and model.config._attn_implementation == "sdpa":
+        AttentionInterface.register(FP32_SDPA, fp32_sdpa)
+        AttentionMaskInterface.register(FP32_SDPA, AttentionMaskInterface()["sdpa"])
+        model.set_attn_implementation(FP32_SDPA)
+    return model
 
 
 def world_size() -> int:

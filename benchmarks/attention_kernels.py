@@ -1,30 +1,50 @@
-"""Why short bf16 update passes on a CPU take PyTorch's math attention kernel (ppo.autocast): the forward and backward
-pass of causal scaled_dot_product_attention at several lengths, with the flash kernel in fp32 and in bf16 and with
-the math kernel in bf16, and with each kernel the attention's gradients' distance from fp32's.
+"""Why a model on a CPU computes its attention in fp32 under bf16 autocast (ppo.fp32_sdpa): causal
+scaled_dot_product_attention's forward and backward pass at several lengths, from the dtypes it gets there (queries and
+keys in fp32, as RoPE leaves them; values in bf16, out of their bf16 projection), computed the way fp32_sdpa does
+(values cast up, SDPA's flash kernel in fp32) and the two ways autocast does (all cast down, SDPA's bf16 flash kernel,
+or its math kernel, which the scripts took for short update passes until fp32_sdpa); each one's gradients' distance
+from fp32's on the same inputs; and one decode step's attention (one query over the tokens so far, no gradient).
 
     python benchmarks/attention_kernels.py                 # batch 8, 14 heads of 64 (Qwen2.5-0.5B's), about a minute
-    python benchmarks/attention_kernels.py --batch 32 --heads 4 --lengths 40   # the vs_trl.py benchmark's PPO update
+    python benchmarks/attention_kernels.py --batch 32 --heads 4 --lengths 44   # the vs_trl.py benchmark's PPO update
 """
 
 import argparse
+import functools
 import statistics
 import time
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-KERNELS = {"fp32 flash": (torch.float32, SDPBackend.FLASH_ATTENTION),
-           "bf16 flash": (torch.bfloat16, SDPBackend.FLASH_ATTENTION),
-           "bf16 math": (torch.bfloat16, SDPBackend.MATH)}
+WAYS = {"fp32 (fp32_sdpa)": (torch.float32, SDPBackend.FLASH_ATTENTION),
+        "bf16 flash (autocast)": (torch.bfloat16, SDPBackend.FLASH_ATTENTION),
+        "bf16 math": (torch.bfloat16, SDPBackend.MATH)}
 
 
-def forward_backward(q, k, v, grad, backend) -> list[torch.Tensor]:
-    """One causal attention pass and its backward pass with the given kernel; the gradients of q, k and v."""
-    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+def attention(q, k, v, dtype, backend, is_causal: bool = True) -> torch.Tensor:
+    """SDPA on q, k, v cast to dtype (the cast is part of the pass, as in the scripts) with the given kernel."""
     with sdpa_kernel(backend):
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-    out.backward(grad)
+        return torch.nn.functional.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype),
+                                                                is_causal=is_causal)
+
+
+def forward_backward(q, k, v, grad, dtype, backend) -> list[torch.Tensor]:
+    """One causal attention pass and its backward pass; the gradients of q, k and v in fp32."""
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    attention(q, k, v, dtype, backend).backward(grad.to(dtype))
     return [x.grad.float() for x in (q, k, v)]
+
+
+def median_ms(fn, repeats: int) -> float:
+    """Median milliseconds of fn() over `repeats` calls, after one untimed."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
 
 
 def main() -> None:
@@ -35,26 +55,23 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timed passes per cell, after one untimed")
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; batch {args.batch}, {args.heads} heads of 64")
-    print("| tokens | " + " | ".join(f"{name} ms" for name in KERNELS) + " | bf16 flash / math | gradient error "
-          "flash, math |\n| --- |" + " --- |" * (len(KERNELS) + 2))
+    print("| tokens | " + " | ".join(f"{name} ms" for name in WAYS) + " | fp32 / bf16 flash | gradient error "
+          + ", ".join(WAYS) + " | decode step fp32 / bf16 flash ms |\n| --- |" + " --- |" * (len(WAYS) + 3))
     for length in args.lengths:
         torch.manual_seed(0)
-        q, k, v, grad = (torch.randn(args.batch, args.heads, length, 64) for _ in range(4))
-        exact = forward_backward(q, k, v, grad, SDPBackend.FLASH_ATTENTION)
-        ms, errors = {}, {}
-        for name, (dtype, backend) in KERNELS.items():
-            inputs = [x.to(dtype) for x in (q, k, v, grad)]
-            grads = forward_backward(*inputs, backend)
-            errors[name] = max(((g - e).norm() / e.norm()).item() for g, e in zip(grads, exact))
-            times = []
-            for _ in range(args.repeats):
-                start = time.perf_counter()
-                forward_backward(*inputs, backend)
-                times.append(time.perf_counter() - start)
-            ms[name] = 1000 * statistics.median(times)
-        ratio = ms["bf16 flash"] / ms["bf16 math"]
-        print(f"| {length} | " + " | ".join(f"{ms[name]:.1f}" for name in KERNELS)
-              + f" | {ratio:.2f}x | {errors['bf16 flash']:.4f}, {errors['bf16 math']:.4f} |", flush=True)
+        q, k, grad = (torch.randn(args.batch, args.heads, length, 64) for _ in range(3))
+        v = torch.randn(args.batch, args.heads, length, 64).bfloat16()  # values come out of a bf16 projection
+        exact = forward_backward(q.double(), k.double(), v.double(), grad, torch.float64, SDPBackend.MATH)
+        ms, errors = {}, []
+        for name, (dtype, backend) in WAYS.items():
+            grads = forward_backward(q, k, v, grad, dtype, backend)
+            errors.append(max(((g - e).norm() / e.norm()).item() for g, e in zip(grads, exact)))
+            ms[name] = median_ms(functools.partial(forward_backward, q, k, v, grad, dtype, backend), args.repeats)
+        decode = [median_ms(functools.partial(attention, q[:, :, -1:], k, v, dtype, SDPBackend.FLASH_ATTENTION, False),
+                            args.repeats * 4) for dtype in (torch.float32, torch.bfloat16)]
+        ratio = ms["fp32 (fp32_sdpa)"] / ms["bf16 flash (autocast)"]
+        print(f"| {length} | " + " | ".join(f"{ms[name]:.1f}" for name in WAYS) + f" | {ratio:.2f}x | "
+              + ", ".join(f"{e:.4f}" for e in errors) + f" | {decode[0]:.2f} / {decode[1]:.2f} |", flush=True)
 
 
 if __name__ == "__main__":
