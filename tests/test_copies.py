@@ -15,7 +15,8 @@ SHARED_ABOVE_MARKER = ["response_valid_mask", "masked_mean", "kl_penalty"]
 # name the two files share is deliberately the script's own: Args (its flags), main (its loop) and evaluate (the
 # PRM's held-out step metrics, not a policy's greedy decoding).
 SHARED_WITH_PRM = [
-    "autocast", "fp32_sdpa", "FP32_SDPA", "fp32_attention", "BUILTIN_CHARS", "build_tokenizer", "build_tiny_model", "fail",
+    "autocast", "fp32_sdpa", "FP32_SDPA", "fp32_attention", "BUILTIN_CHARS", "build_tokenizer", "build_tiny_model",
+    "fail",
     "load_pretrained", "model_context", "world_size", "global_sum", "sync_gradients", "step_or_skip",
     "setup_distributed", "average_metrics", "open_run", "log_row", "rng_states", "set_rng_states", "save_checkpoint",
     "find_checkpoint", "load_state", "MemoryArgs", "with_lora", "trainable", "load_weights",

@@ -392,7 +392,8 @@ def test_one_query_attention_gives_sdpas_output():
 
 def test_fused_attention_takes_the_compiled_step_only():
     """Within fused_attention, a compiled decode step on a CPU runs no SDPA kernel (the profiler sees none) and decodes
-    the eager tokens, one graph for two calls; eager decoding keeps SDPA; the model's attention is SDPA again after."""
+    the eager tokens, one graph for two calls; eager decoding keeps SDPA; the model's attention is SDPA again after
+    (fp32_sdpa, if it was)."""
     model = tiny(LlamaConfig)
     queries, mask = left_padded([1, 5, 6, 7], [1, 9, 10, 11, 12, 13, 14])
     gen = GenerationConfig(do_sample=False, max_new_tokens=6, **SPECIAL)
@@ -413,3 +414,7 @@ def test_fused_attention_takes_the_compiled_step_only():
                                                   and e.time_range.end <= s.time_range.end for s in steps))
         assert model.config._attn_implementation == "sdpa"
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    ppo.fp32_attention(model)  # as ppo.place leaves a model on a CPU: switched too, and back to fp32_sdpa after
+    with ppo.fused_attention(model, compiled=True):
+        assert model.config._attn_implementation.endswith("_one_query")
+    assert model.config._attn_implementation == ppo.FP32_SDPA
