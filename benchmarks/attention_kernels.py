@@ -11,10 +11,9 @@ from fp32's on the same inputs; and one decode step's attention (one query over 
 
 import argparse
 import functools
-import statistics
-import time
 
 import torch
+from decode_steps import median_ms  # benchmarks/decode_steps.py: median milliseconds of fn()
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 WAYS = {"fp32 (fp32_sdpa)": (torch.float32, SDPBackend.FLASH_ATTENTION),
@@ -36,23 +35,12 @@ def forward_backward(q, k, v, grad, dtype, backend) -> list[torch.Tensor]:
     return [x.grad.float() for x in (q, k, v)]
 
 
-def median_ms(fn, repeats: int) -> float:
-    """Median milliseconds of fn() over `repeats` calls, after one untimed."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--heads", type=int, default=14)
     parser.add_argument("--lengths", type=int, nargs="+", default=[64, 128, 160, 192, 256, 512, 1024])
-    parser.add_argument("--repeats", type=int, default=5, help="timed passes per cell, after one untimed")
+    parser.add_argument("--repeats", type=int, default=5, help="timed passes per cell, after an untimed one")
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; batch {args.batch}, {args.heads} heads of 64")
     print("| tokens | " + " | ".join(f"{name} ms" for name in WAYS) + " | fp32 / bf16 flash | gradient error "
@@ -67,8 +55,11 @@ def main() -> None:
             grads = forward_backward(q, k, v, grad, dtype, backend)
             errors.append(max(((g - e).norm() / e.norm()).item() for g, e in zip(grads, exact)))
             ms[name] = median_ms(functools.partial(forward_backward, q, k, v, grad, dtype, backend), args.repeats)
-        decode = [median_ms(functools.partial(attention, q[:, :, -1:], k, v, dtype, SDPBackend.FLASH_ATTENTION, False),
-                            args.repeats * 4) for dtype in (torch.float32, torch.bfloat16)]
+        decode = []
+        for dtype in (torch.float32, torch.bfloat16):
+            step = functools.partial(attention, q[:, :, -1:], k, v, dtype, SDPBackend.FLASH_ATTENTION, False)
+            step()  # untimed
+            decode.append(median_ms(step, args.repeats * 4))
         ratio = ms["fp32 (fp32_sdpa)"] / ms["bf16 flash (autocast)"]
         print(f"| {length} | " + " | ".join(f"{ms[name]:.1f}" for name in WAYS) + f" | {ratio:.2f}x | "
               + ", ".join(f"{e:.4f}" for e in errors) + f" | {decode[0]:.2f} / {decode[1]:.2f} |", flush=True)
