@@ -13,7 +13,6 @@ rewards and masks; `main()` below is one such loop."""
 from __future__ import annotations
 
 import bisect
-import contextlib
 import copy
 import functools
 import inspect
@@ -44,8 +43,6 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import distribute_tensor
 from tqdm import tqdm
 from transformers import (
-    AttentionInterface,
-    AttentionMaskInterface,
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
@@ -53,7 +50,6 @@ from transformers import (
     CompileConfig,
     GenerationConfig,
     LlamaConfig,
-    LlamaForCausalLM,
     PreTrainedTokenizerFast,
     StoppingCriteriaList,
 )
@@ -186,7 +182,9 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
     """Per-token KL estimate of policy from reference at sampled tokens, with r = ref - logp (Schulman, "Approximating
     KL Divergence"): k1 = logp - ref, k2 = r^2 / 2, k3 = exp(r) - 1 - r. As a value (a penalty in the reward), k1
     and k3 estimate KL(pi || ref) without bias. As a loss term, only the expected gradient counts: k1's is 0 (no
-    penalty), k2's is exactly the gradient of KL(pi || ref), k3's that of KL(ref || pi), the other direction."""
+    penalty); k2's is, token by token, the gradient of KL(pi || ref) of the next-token distributions at the sampled
+    prefix, k3's that of KL(ref || pi), the other direction. Summed over a response of T > 1 tokens, that is not the
+    gradient of the responses' KL: it leaves out how earlier tokens change the prefixes later tokens are drawn at."""
     if estimator == "k1":
         return logprobs - ref_logprobs
     r = ref_logprobs - logprobs
@@ -478,8 +476,6 @@ def main(args: Args) -> None:
         state["episode"] += args.batch_size
         row = {"iteration": iteration, "episode": state["episode"], "elapsed_s": round(time.time() - t0, 3),
                "lr": optimizer.param_groups[0]["lr"], **average_metrics(metrics, device, ("val/num_eos_tokens",))}
-        if args.compile and iteration == start:  # torch.compile's seconds so far: the decode steps and the forwards
-            row["perf/compile_s"] = round(torch._dynamo.utils.calculate_time_spent()["total_wall_time"], 1)
         samples = None
         if iteration % args.eval_every == 0 or iteration == num_iterations:
             with autocast(hp.dtype, device):
@@ -693,7 +689,8 @@ def fp32_output_layer(model: torch.nn.Module) -> torch.nn.Module:
     would round the logits to bf16 (3 significant digits): logits of 10 are then off by up to 0.03, and so are the
     logprobs whose differences make the ratios and the KL, and sampling draws from a rounded softmax. Only this
     matmul moves to fp32; the model's own forward runs as before (MiniMax-M1, arXiv:2506.13585, found its bf16 LM
-    head to be where training and inference probabilities parted)."""
+    head to be where training and inference probabilities parted). It is the one forward replaced at run time, on
+    every device alike: autocast has no per-layer dtype, and fp32 logits matter on a GPU as much as here."""
     def forward(head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         with torch.autocast(hidden.device.type, enabled=False):
             return type(head).forward(head, hidden.float())
@@ -966,8 +963,8 @@ def next_token(logits: torch.Tensor, seen: torch.Tensor, gen: GenerationConfig, 
         probs = logits.softmax(-1)
         logits = logits.masked_fill(probs < gen.min_p * probs.max(-1, keepdim=True).values, -float("inf"))
     cdf = logits.softmax(-1).cumsum(-1)  # inverse-CDF sampling: the distribution of torch.multinomial, far cheaper
-    u = torch.rand(cdf.shape[0], 1, device=cdf.device) * cdf[:, -1:]
-    return torch.searchsorted(cdf, u)[:, 0].clamp(max=cdf.shape[1] - 1)
+    u = (1 - torch.rand(cdf.shape[0], 1, device=cdf.device)) * cdf[:, -1:]  # in (0, total]: never a token of p = 0
+    return torch.searchsorted(cdf, u)[:, 0]  # the first token whose cumulative probability reaches u
 
 
 def cache_length(prompt_length: int, max_new_tokens: int) -> int:
@@ -976,50 +973,13 @@ def cache_length(prompt_length: int, max_new_tokens: int) -> int:
     return -(-(prompt_length + max_new_tokens) // 16) * 16
 
 
-def decode_loop_unsupported(model, gen: GenerationConfig, length: int) -> str | None:
-    """Why decode_loop cannot take this model and these settings (None: it can). It takes any causal LM whose
-    forward accepts a static key/value cache (transformers marks those `_can_compile_fullgraph`) that keeps all
-    `length` tokens in every layer, unsharded, sampling with the settings next_token implements. Compiled (a static
-    cache, gen.compile_config set), its layers must be plain static ones (no sliding window, even one longer than
-    the cache), and under autocast that cache must keep keys and values in their own dtypes."""
-    others = GenerationConfig()  # every other generation setting must be left at its default
-    skip = {"do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens",
-            "min_new_tokens", "pad_token_id", "eos_token_id", "bos_token_id", "transformers_version", "compile_config"}
-    changed = [k for k, v in gen.to_diff_dict().items() if k not in skip and v != getattr(others, k, None)]
-    if changed:
-        return f"generation setting(s) {', '.join(changed)} (the decode loop implements next_token's)"
-    if not getattr(model, "_can_compile_fullgraph", False):
-        return f"{type(model).__name__} does not take a static key/value cache"
-    layers = StaticCache(config=model.config, max_cache_len=length).layers  # allocates nothing yet
-    if any(getattr(layer, "max_cache_len", None) != length for layer in layers):
-        return f"a layer keeps fewer than {length} tokens (sliding window or chunked attention)"
-    if gen.compile_config and any(type(layer) is not StaticLayer for layer in layers):  # under --compile
-        return ("a sliding-window layer's static cache counts its tokens in a Python int, which the compiled step "
-                "would keep at its first value (wrong tokens, silently)")
-    if any(hasattr(p, "placements") for p in model.parameters()):
-        return "the model is sharded (FSDP): all processes step together through generate(synced_gpus=True)"
-    # under autocast, keys come out in the weights' dtype (RoPE runs in it) and values in the autocast dtype, `low`
-    low = torch.get_autocast_dtype(model.device.type)
-    if gen.compile_config and torch.is_autocast_enabled(model.device.type) and model.dtype != low:
-        layer = StaticCache(config=model.config, max_cache_len=1).layers[0]
-        layer.lazy_initialization(torch.zeros(1, 1, 1, 1, dtype=model.dtype), torch.zeros(1, 1, 1, 1, dtype=low))
-        if layer.values.dtype != low:  # transformers 5.17 keeps both in the keys' dtype, then fails on the values
-            return "under autocast keys and values differ in dtype, and this transformers' static cache keeps one"
-    return None
-
-
-# the keyword of the key/value cache in a model's forward: `cache` in the transformers of requirements.txt,
-# `past_key_values` in releases before the rename (5.17, for one, ignores a `cache=` argument without a word)
-CACHE_KWARG = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
-
-
 def decode_step(model, token: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
                 cache: DynamicCache | StaticCache) -> torch.Tensor:
     """Logits [B, V] for one new token per row, token [B, 1] at position_ids [B, 1], through the model's own
     forward, which writes its keys and values into the cache; attention_mask covers the cache: all C slots of a
     static one, the tokens so far (this one included) of one that grows. With a static cache every shape is fixed,
     so --compile makes one graph of it per batch size and cache length."""
-    return model(input_ids=token, position_ids=position_ids, attention_mask=attention_mask, **{CACHE_KWARG: cache},
+    return model(input_ids=token, position_ids=position_ids, attention_mask=attention_mask, cache=cache,
                  use_cache=True).logits[:, -1]
 
 
@@ -1031,7 +991,7 @@ def static_cache(model, batch_size: int, length: int) -> StaticCache:
     key = (batch_size, length, torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device))
     caches = model.__dict__.setdefault("decode_caches", {})
     if key not in caches:
-        caches[key] = StaticCache(config=model.config, max_cache_len=length)
+        caches[key] = StaticCache(config=model.config, max_cache_len=length)  # allocated at its first use
     caches[key].reset()
     return caches[key]
 
@@ -1049,13 +1009,19 @@ def decode_loop(model, queries: torch.Tensor, attention_mask: torch.Tensor, gen:
     """Responses [B, T] to left-padded queries [B, Lq], sampled as `generate` samples, in plain PyTorch around the
     model's own forward: one forward over the prompts fills the key/value cache, then one token per step
     (decode_step). Rows end at EOS (then pad) or when stop(new_ids [B, t]) says so; the loop ends when every row has
-    ended. When gen.compile_config is set, the step is compiled and the cache is static, sized for prompt and
-    response, so that every step has the same shapes (one graph); eager, the cache grows a token per step and
-    attention spans only the tokens so far, which is faster without compilation."""
+    ended in every process. When gen.compile_config is set, the step is compiled and the cache is static, sized for
+    prompt and response, so that every step has the same shapes (one graph); eager, or when a layer keeps a sliding
+    window (said once), the cache grows a token per step and attention spans only the tokens so far."""
     B, Lq = queries.shape
     T, compiled = gen.max_new_tokens, gen.compile_config is not None
+    cache = static_cache(model, B, cache_length(Lq, T)) if compiled else DynamicCache(config=model.config)
+    # a sliding-window layer's static cache counts its tokens in a Python int, which the compiled step would keep at
+    # its first value (wrong tokens, silently): such a model decodes eagerly
+    if compiled and any(type(layer) is not StaticLayer for layer in cache.layers):
+        print_once(f"--compile: {type(model).__name__} keeps a sliding window (or another cache than a plain static "
+                   "one) in some layer, which the compiled decode step cannot take: it decodes eagerly")
+        compiled, cache = False, DynamicCache(config=model.config)
     C = cache_length(Lq, T) if compiled else Lq + T
-    cache = static_cache(model, B, C) if compiled else DynamicCache(config=model.config)
     mask = torch.nn.functional.pad(attention_mask, (0, C - Lq), value=1)  # [B, C]: 0 on left padding only (the
     # model's causal mask hides a static cache's slots not written yet)
     step = compiled_decode_step(gen.compile_config.mode) if compiled else decode_step
@@ -1063,8 +1029,7 @@ def decode_loop(model, queries: torch.Tensor, attention_mask: torch.Tensor, gen:
     # and leave its tensors unfit for CUDA graphs
     with torch.compiler.set_stance("force_eager"):
         logits = model(input_ids=queries, attention_mask=mask[:, :C if compiled else Lq], use_cache=True,
-                       position_ids=position_ids_from(attention_mask), logits_to_keep=1,
-                       **{CACHE_KWARG: cache}).logits[:, -1]  # [B, V]
+                       position_ids=position_ids_from(attention_mask), logits_to_keep=1, cache=cache).logits[:, -1]
     ids = torch.nn.functional.pad(queries, (0, T), value=gen.pad_token_id)  # [B, Lq + T]: prompts, then responses
     position = attention_mask.sum(1, keepdim=True)  # [B, 1]: each row's first new position
     done = torch.zeros(B, dtype=torch.bool, device=queries.device)
@@ -1074,93 +1039,10 @@ def decode_loop(model, queries: torch.Tensor, attention_mask: torch.Tensor, gen:
         done |= token == gen.eos_token_id
         if stop is not None:
             done |= stop(ids[:, Lq:Lq + t + 1])
-        if t == T - 1 or done.all():
-            break
-        with torch.compiler.set_stance(skip_guard_eval_unsafe=compiled and t > 0):  # guards held at t = 0
-            logits = step(model, token[:, None], position + t, mask[:, :C if compiled else Lq + t + 1], cache)
+        if t == T - 1 or global_sum((~done).sum()) == 0:  # all processes step on until all are done (FSDP: each
+            break  # forward gathers the weights from every process)
+        logits = step(model, token[:, None], position + t, mask[:, :C if compiled else Lq + t + 1], cache)
     return ids[:, Lq:Lq + t + 1]
-
-
-@functools.cache
-def onednn_linear() -> Callable:
-    """An nn.Linear forward(module, x) through oneDNN's fp32 matmul (PyTorch's mkldnn op, no gradients) with the
-    weight that onednn_linears packed into oneDNN's own layout, made once per process. The op is registered as an
-    operator of its own (named after this module), which torch.compile calls as it is (its lowering of the mkldnn op
-    takes only weights frozen into the graph); torch.library's plain registration adds about 2 us a call."""
-    namespace = __name__.replace(".", "_")
-    if not hasattr(getattr(torch.ops, namespace), "onednn_linear"):  # not yet: a script run again in one process
-        name, matmul = f"{namespace}::onednn_linear", torch.ops.mkldnn._linear_pointwise  # (runpy) finds it there
-        torch.library.define(name, "(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
-        torch.library.impl(name, "default", lambda x, weight, bias: matmul(x, weight, bias, "none", [], ""))
-        torch.library.register_fake(name, lambda x, weight, bias: x.new_empty(*x.shape[:-1], weight.shape[0]))
-    op = getattr(torch.ops, namespace).onednn_linear  # "default": for the packed weight's backend (MkldnnCPU) too
-    return lambda module, x: op(x.to(module.onednn_weight.dtype), module.onednn_weight, module.onednn_bias)
-
-
-@contextlib.contextmanager
-def onednn_linears(model: torch.nn.Module):
-    """Within, the model's fp32 nn.Linear layers on a CPU run through oneDNN's matmul in a pass without gradients;
-    their own forward back after. Each weight is packed once on entry into the blocked layout that oneDNN's kernel
-    reads fastest (a copy, freed on exit): in fp32, or under bf16 autocast in bf16, as autocast would cast it at
-    every call (a layer with a forward of its own, fp32_output_layer's, stays in fp32 as that forward computes). On
-    this project's 2-core machine, MKL's fp32 matmuls were the decode step's largest cost; oneDNN's took about 0.7x
-    their time with plain weights, 0.55x packed (benchmarks/decode_steps.py). The model's own forward runs: only the
-    kernel of its linear layers changes."""
-    low = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else torch.float32  # what it computes in
-    on = torch.backends.mkldnn.is_available() and not torch.is_grad_enabled() and (low == torch.float32 or (
-        low == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()))  # this CPU's oneDNN does bf16
-    linears = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.device.type == "cpu"
-               and m.weight.dtype == torch.float32] if on else []
-    own = [module.__dict__.get("forward") for module in linears]  # fp32_output_layer's wrapper, or None
-    for module, forward in zip(linears, own):
-        dtype = low if forward is None else torch.float32
-        module.onednn_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.to(dtype))
-        module.onednn_bias = None if module.bias is None else module.bias.to(dtype)  # cast once, not per call
-        module.forward = onednn_linear().__get__(module)  # a method: torch.compile keeps its graph across uses
-    try:
-        yield model
-    finally:
-        for module, forward in zip(linears, own):
-            del module.onednn_weight, module.onednn_bias
-            if forward is None:
-                del module.forward
-            else:
-                module.forward = forward
-
-
-def one_query_attention(module, query, key, value, attention_mask, scaling: float | None = None, dropout: float = 0.0,
-                        **kwargs) -> tuple:
-    """Attention for one new token per row over a static cache, as products and sums that torch.compile fuses into
-    one loop: on a CPU, SDPA's flash kernel took a quarter of a compiled decode step for one query per row
-    (benchmarks/decode_steps.py). query [B, H, 1, D], key and value [B, Hkv, C, D] (Hkv divides H), attention_mask
-    [B, 1, 1, C] (bool, True where the token attends) from SDPA's mask. Anything else goes to SDPA."""
-    if query.shape[2] != 1 or dropout or attention_mask is None or attention_mask.dtype != torch.bool or any(
-            kwargs.get(k) is not None for k in ("softcap", "s_aux", "sinks", "position_bias")):
-        return fp32_sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    B, H, _, D = query.shape
-    Hkv = key.shape[1]
-    q = query.view(B, Hkv, H // Hkv, 1, D)  # [B, Hkv, G, 1, D]: a group of G = H // Hkv query heads per key/value head
-    scores = (q * key[:, :, None]).sum(-1) * (D ** -0.5 if scaling is None else scaling)  # [B, Hkv, G, C]
-    probs = scores.masked_fill(~attention_mask, float("-inf")).softmax(-1)  # [B, Hkv, G, C]
-    out = (probs[..., None] * value[:, :, None]).sum(-2)  # [B, Hkv, G, D]
-    return out.reshape(B, 1, H, D), None
-
-
-@contextlib.contextmanager
-def fused_attention(model: torch.nn.Module, compiled: bool):
-    """Within, a compiled decode step on a CPU takes one_query_attention: the model's attention implementation is
-    switched from SDPA to it (SDPA's mask kept) and back after. Eager, or on a GPU, nothing changes."""
-    name, before = f"{__name__.replace('.', '_')}_one_query", model.config._attn_implementation
-    on = compiled and model.device.type == "cpu" and before in ("sdpa", FP32_SDPA)
-    if on:
-        AttentionInterface.register(name, one_query_attention)
-        AttentionMaskInterface.register(name, AttentionMaskInterface()["sdpa"])
-        model.set_attn_implementation(name)
-    try:
-        yield model
-    finally:
-        if on:
-            model.set_attn_implementation(before)
 
 
 def stop_check(tokenizer, stop_strings: list[str]) -> Callable:
@@ -1180,22 +1062,20 @@ def print_once(message: str) -> None:
 
 @torch.no_grad()
 def generate(policy, tokenizer, queries: torch.Tensor, gen: GenerationConfig, stop_strings: list[str]) -> tuple:
-    """Sample (or greedily decode) responses to left-padded queries; returns cut_responses' triple. decode_loop
-    takes every model it can; the others go through `generate` (said once), where all processes keep stepping until
-    every one is done (synced_gpus), which sharded models need."""
+    """Sample (or greedily decode) responses to left-padded queries; returns cut_responses' triple. A model whose
+    forward takes a key/value cache object (`cache`: transformers' own causal LMs) decodes through decode_loop; any
+    other through `generate` (said once), where all processes keep stepping until every one is done (synced_gpus)."""
     attention_mask = ((queries != tokenizer.pad_token_id).cumsum(1) > 0).long()  # left padding only
     Lq = queries.shape[1]
     stop = stop_check(tokenizer, stop_strings) if stop_strings else None
-    reason = decode_loop_unsupported(policy, gen, cache_length(Lq, gen.max_new_tokens))
-    with no_checkpointing(policy):
-        if reason is None:
-            with onednn_linears(policy), fused_attention(policy, gen.compile_config is not None):
-                out = decode_loop(policy, queries, attention_mask, gen, stop)
-        else:
-            print_once(f"generation through model.generate, not the decode loop: {reason}")
-            criteria = StoppingCriteriaList([lambda ids, scores, **kw: stop(ids[:, Lq:])]) if stop else None
-            out = policy.generate(input_ids=queries, attention_mask=attention_mask, generation_config=gen,
-                                  stopping_criteria=criteria, synced_gpus=torch.distributed.is_initialized())[:, Lq:]
+    model = policy.get_base_model() if isinstance(policy, peft.PeftModel) else policy
+    if "cache" in inspect.signature(type(model).forward).parameters:
+        out = decode_loop(policy, queries, attention_mask, gen, stop)
+    else:
+        print_once(f"generation through model.generate: {type(model).__name__}'s forward takes no cache object")
+        criteria = StoppingCriteriaList([lambda ids, scores, **kw: stop(ids[:, Lq:])]) if stop else None
+        out = policy.generate(input_ids=queries, attention_mask=attention_mask, generation_config=gen,
+                              stopping_criteria=criteria, synced_gpus=torch.distributed.is_initialized())[:, Lq:]
     return cut_responses(tokenizer, out.cpu(), stop_strings)
 
 
@@ -1224,9 +1104,9 @@ def cut_responses(tokenizer, responses: torch.Tensor, stop_strings: list[str]) -
 def call_reward_fns(reward_fns: list, weights: list[float], prompts: list, completions: list,
                     completion_ids: list, columns: dict, reward_model: bool = False) -> torch.Tensor:
     """Weighted sum of TRL-style reward functions; [B]. Each returns, per completion, a finite real number (Python or
-    numpy int or float; a bool counts 1 or 0) or None where it does not score that completion: as in TRL, the sum
-    skips it. A completion that no function scores stops the run with a clear line, unless a reward model
-    (`reward_model`) scores every completion; so does any other bad output."""
+    numpy int, float or bool, a bool counting 1 or 0, or a 0-d tensor) or None where it does not score that
+    completion: as in TRL, the sum skips it. A completion that no function scores stops the run with a clear line,
+    unless a reward model (`reward_model`) scores every completion; so does any other bad output."""
     total, scored = torch.zeros(len(completions)), torch.zeros(len(completions), dtype=torch.bool)
     for (spec, fn), w in zip(reward_fns, weights):
         try:
@@ -1236,6 +1116,7 @@ def call_reward_fns(reward_fns: list, weights: list[float], prompts: list, compl
         if len(out) != len(completions):
             fail("--reward-fn", spec, f"returned {len(out)} scores for {len(completions)} completions; return one "
                                       "float per completion")
+        out = [v.item() if getattr(v, "ndim", None) == 0 else v for v in out]  # numpy scalars, 0-d tensors
         for i, v in enumerate(out):
             if v is not None and not (isinstance(v, numbers.Real) and math.isfinite(v)):
                 fail("--reward-fn", spec, f"returned {v!r} for completion {i}; return a finite number for each (or "
@@ -1251,9 +1132,20 @@ def call_reward_fns(reward_fns: list, weights: list[float], prompts: list, compl
 
 
 @torch.no_grad()
-def reward_model_scores(reward_model, rm_tokenizer, texts: list[str]) -> torch.Tensor:
-    """Scalar score of each prompt+completion text from a one-label sequence classifier; [B]."""
-    enc = rm_tokenizer(texts, return_tensors="pt", padding=True, padding_side="right")
+def reward_model_scores(reward_model, rm_tokenizer, prompts: list, texts: list[str]) -> torch.Tensor:
+    """Scalar score of each prompt and completion from a one-label sequence classifier; [B]. A string prompt is
+    followed by the completion's text; chat messages, as TRL gives them, by the completion as an assistant message,
+    the conversation rendered with the reward model's own chat template (its markers, as it was trained on them)."""
+    if isinstance(prompts[0], str):
+        enc = rm_tokenizer([p + t for p, t in zip(prompts, texts)], return_tensors="pt", padding=True,
+                           padding_side="right")
+    else:
+        if not rm_tokenizer.chat_template:
+            fail("--reward-model", rm_tokenizer.name_or_path, "the prompts are chat messages but its tokenizer has no "
+                                                              "chat template; give it one, or string prompts")
+        chats = [rm_tokenizer.apply_chat_template([*p, {"role": "assistant", "content": t}], tokenize=False)
+                 for p, t in zip(prompts, texts)]
+        enc = rm_tokenizer(chats, add_special_tokens=False, return_tensors="pt", padding=True, padding_side="right")
     return reward_model(**enc.to(reward_model.device)).logits[:, 0].float().cpu()
 
 
@@ -1307,9 +1199,8 @@ def rollout(policy, tokenizer, rows: list[dict], gen: GenerationConfig, stop_str
     scores = call_reward_fns(task.reward_fns, task.weights, prompts, completions, completion_ids, columns,
                              task.reward_model is not None)
     if task.reward_model is not None:
-        full = [q + t for q, t in zip(tokenizer.batch_decode(ids, skip_special_tokens=True), texts)]
-        scores += task.args.reward_model_weight * reward_model_scores(task.reward_model, task.rm_tokenizer,
-                                                                         full)
+        scores += task.args.reward_model_weight * reward_model_scores(task.reward_model, task.rm_tokenizer, prompts,
+                                                                         texts)
     if task.args.missing_eos_penalty is not None:
         scores[~ended] -= task.args.missing_eos_penalty
     process = None if task.prm is None else process_rewards(
@@ -1336,40 +1227,9 @@ def evaluate(policy, tokenizer, task: Task, greedy: GenerationConfig, stop_strin
 # Processes: autocast, data parallelism and FSDP2, dropout
 
 
-def autocast(dtype: str, device: torch.device) -> contextlib.ExitStack:
-    """A context that runs forward passes in bf16 when dtype is 'bf16' (backward passes stay outside it); on a CPU,
-    a model that fp32_attention set up computes its attention in fp32 even then."""
-    context = contextlib.ExitStack()
-    context.enter_context(torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16"))
-    return context
-
-
-def fp32_sdpa(module, query, key, value, attention_mask, **kwargs) -> tuple:
-    """SDPA as transformers calls it, but computed in fp32 on a CPU under bf16 autocast, for one query per row (a
-    decode step) or up to 512 keys. There queries and keys come in fp32 (RoPE runs in the residual stream's dtype)
-    and values in bf16, and autocast would cast all three down for a bf16 kernel. On this project's CPU the values
-    cast up and SDPA's fp32 flash kernel took 0.4-0.8x the time of its bf16 flash kernel for a forward and backward
-    pass up to 256 tokens, 0.94x at 512 but 1.5x at 1,024, and 0.3-0.5x for a decode step's one query at every
-    length; its gradients were closer to fp64's (benchmarks/attention_kernels.py). Anything else: SDPA as is."""
-    sdpa = AttentionInterface()["sdpa"]
-    if query.device.type != "cpu" or not torch.is_autocast_enabled("cpu") or (
-            query.shape[-2] > 1 and key.shape[-2] > 512):
-        return sdpa(module, query, key, value, attention_mask, **kwargs)
-    with torch.autocast("cpu", enabled=False):
-        return sdpa(module, query.float(), key.float(), value.float(), attention_mask, **kwargs)
-
-
-FP32_SDPA = f"{__name__.replace('.', '_')}_fp32_sdpa"  # fp32_sdpa's name in transformers' AttentionInterface
-
-
-def fp32_attention(model: torch.nn.Module) -> torch.nn.Module:
-    """Make a model on a CPU compute its SDPA attention in fp32 under bf16 autocast (fp32_sdpa, with SDPA's mask);
-    it is SDPA otherwise. A model elsewhere, or with another attention implementation (eager), is left as it is."""
-    if model.device.type == "cpu" and model.config._attn_implementation == "sdpa":
-        AttentionInterface.register(FP32_SDPA, fp32_sdpa)
-        AttentionMaskInterface.register(FP32_SDPA, AttentionMaskInterface()["sdpa"])
-        model.set_attn_implementation(FP32_SDPA)
-    return model
+def autocast(dtype: str, device: torch.device) -> torch.autocast:
+    """A context that runs forward passes in bf16 when dtype is 'bf16' (backward passes stay outside it)."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16")
 
 
 def world_size() -> int:
@@ -1430,6 +1290,7 @@ def setup_distributed() -> tuple[int, int, torch.device]:
 def shard(model: torch.nn.Module, mesh) -> torch.nn.Module:
     """FSDP2: shard each decoder layer (the classes a Hugging Face model lists in _no_split_modules), then the rest.
     With LoRA, the rest is the model inside peft's wrapper, whose forward every call (generate's too) goes through."""
+    # private, but the one place where transformers names a model's layer classes (its device_map code reads it too)
     layers = set(getattr(model, "_no_split_modules", None) or [])
     for module in model.modules():
         if type(module).__name__ in layers:
@@ -1438,21 +1299,6 @@ def shard(model: torch.nn.Module, mesh) -> torch.nn.Module:
         fully_shard(model.get_base_model(), mesh=mesh)
         return model
     return fully_shard(model, mesh=mesh)
-
-
-@contextlib.contextmanager
-def no_checkpointing(model: torch.nn.Module):
-    """The model in eval mode within, its modules' own modes back after: for passes without gradients that keep a
-    key/value cache. With --gradient-checkpointing the models train in training mode, where transformers 5.17 (the
-    GPU machine's) drops a checkpointing layer's cache even without gradients, so each new token would attend to
-    itself alone; dropout being off in every model here (disable_dropout), eval mode changes nothing else."""
-    modes = [(module, module.training) for module in model.modules()]
-    model.eval()
-    try:
-        yield model
-    finally:
-        for module, training in modes:
-            module.training = training
 
 
 def reference(policy, ref_policy) -> tuple:
@@ -1467,13 +1313,12 @@ def reference(policy, ref_policy) -> tuple:
 
 
 def place(models: list, device: torch.device, fsdp: bool, world: int) -> None:
-    """Move each model (None: absent) to the device with dropout off (on a CPU, its attention fp32 under bf16:
-    fp32_attention); under --fsdp, shard it over the processes."""
+    """Move each model (None: absent) to the device with dropout off; under --fsdp, shard it over the processes."""
     if fsdp and not torch.distributed.is_initialized():
         fail("--fsdp", True, "FSDP shards over processes: launch with torchrun --nproc_per_node N")
     for model in models:
         if model is not None:
-            disable_dropout(fp32_attention(model.to(device)))
+            disable_dropout(model.to(device))
             if fsdp:
                 shard(model, init_device_mesh(device.type, (world,)))
 

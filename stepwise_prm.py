@@ -22,7 +22,6 @@ explains every numbered step and every logged metric.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import json
@@ -45,8 +44,6 @@ import tyro
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from tqdm import tqdm
 from transformers import (
-    AttentionInterface,
-    AttentionMaskInterface,
     AutoModelForCausalLM,
     AutoModelForTokenClassification,
     AutoTokenizer,
@@ -324,10 +321,9 @@ def main(args: Args) -> None:
     model.config.id2label, model.config.label2id = {0: "wrong", 1: "correct"}, {"wrong": 0, "correct": 1}
     model.config.pad_token_id = tokenizer.pad_token_id
     model.train()  # from_pretrained leaves eval mode: train as the built-in model does (its dropout, checkpointing)
-    model = with_lora(model, args.memory)  # --lora-r: adapters and the head train, the rest is frozen
+    model = with_lora(model, args.memory).to(device)  # --lora-r: adapters and the head train, the rest is frozen
     if ckpt is not None:
         load_weights(model, ckpt / "model", AutoModelForTokenClassification)
-    fp32_attention(model.to(device))  # on a CPU, attention in fp32 under bf16 (fp32_sdpa)
     optimizer = torch.optim.AdamW(trainable(model), lr=lr)
 
     # ---- seeding per process (dropout differs between ranks), or the saved state of a resumed run
@@ -363,8 +359,7 @@ def main(args: Args) -> None:
                     disable=rank != 0)
     for iteration in progress:
         # 8. Training: anneal the learning rate, a batch of rows of similar length, this process's share, prm_step.
-        if args.anneal_lr:
-            optimizer.param_groups[0]["lr"] = lr * (1 - (iteration - 1) / args.total_steps)
+        optimizer.param_groups[0]["lr"] = lr * (1 - (iteration - 1) / args.total_steps) if args.anneal_lr else lr
         rows = next_batch(lengths, state["data_state"], args.batch_size, args.seed)[rank * local:(rank + 1) * local]
         try:
             metrics = prm_step(model, optimizer, [train[i] for i in rows], pad_token_id=tokenizer.pad_token_id,
@@ -690,40 +685,9 @@ def warm_start(lm, tokenizer, solutions: list[dict], steps: int, lr: float, batc
 # Processes: autocast, data parallelism (gradient averaging, the NaN guard), metrics over processes
 
 
-def autocast(dtype: str, device: torch.device) -> contextlib.ExitStack:
-    """A context that runs forward passes in bf16 when dtype is 'bf16' (backward passes stay outside it); on a CPU,
-    a model that fp32_attention set up computes its attention in fp32 even then."""
-    context = contextlib.ExitStack()
-    context.enter_context(torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16"))
-    return context
-
-
-def fp32_sdpa(module, query, key, value, attention_mask, **kwargs) -> tuple:
-    """SDPA as transformers calls it, but computed in fp32 on a CPU under bf16 autocast, for one query per row (a
-    decode step) or up to 512 keys. There queries and keys come in fp32 (RoPE runs in the residual stream's dtype)
-    and values in bf16, and autocast would cast all three down for a bf16 kernel. On this project's CPU the values
-    cast up and SDPA's fp32 flash kernel took 0.4-0.8x the time of its bf16 flash kernel for a forward and backward
-    pass up to 256 tokens, 0.94x at 512 but 1.5x at 1,024, and 0.3-0.5x for a decode step's one query at every
-    length; its gradients were closer to fp64's (benchmarks/attention_kernels.py). Anything else: SDPA as is."""
-    sdpa = AttentionInterface()["sdpa"]
-    if query.device.type != "cpu" or not torch.is_autocast_enabled("cpu") or (
-            query.shape[-2] > 1 and key.shape[-2] > 512):
-        return sdpa(module, query, key, value, attention_mask, **kwargs)
-    with torch.autocast("cpu", enabled=False):
-        return sdpa(module, query.float(), key.float(), value.float(), attention_mask, **kwargs)
-
-
-FP32_SDPA = f"{__name__.replace('.', '_')}_fp32_sdpa"  # fp32_sdpa's name in transformers' AttentionInterface
-
-
-def fp32_attention(model: torch.nn.Module) -> torch.nn.Module:
-    """Make a model on a CPU compute its SDPA attention in fp32 under bf16 autocast (fp32_sdpa, with SDPA's mask);
-    it is SDPA otherwise. A model elsewhere, or with another attention implementation (eager), is left as it is."""
-    if model.device.type == "cpu" and model.config._attn_implementation == "sdpa":
-        AttentionInterface.register(FP32_SDPA, fp32_sdpa)
-        AttentionMaskInterface.register(FP32_SDPA, AttentionMaskInterface()["sdpa"])
-        model.set_attn_implementation(FP32_SDPA)
-    return model
+def autocast(dtype: str, device: torch.device) -> torch.autocast:
+    """A context that runs forward passes in bf16 when dtype is 'bf16' (backward passes stay outside it)."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16")
 
 
 def world_size() -> int:
@@ -915,10 +879,8 @@ def close_run(args: Args, model, tokenizer, output_dir: Path, metrics_path: Path
         model.save_pretrained(output_dir / "model")
         tokenizer.save_pretrained(output_dir / "model")
         final = json.loads(metrics_path.read_text().splitlines()[-1])
-        bon = ""
-        if "eval/best_of_n_accuracy" in final:
-            bon = (f", best-of-{args.best_of_n} {final['eval/best_of_n_accuracy']:.3f} vs random pick "
-                   f"{final['eval/random_pick_accuracy']:.3f}")
+        bon = (f", best-of-{args.best_of_n} {final['eval/best_of_n_accuracy']:.3f} vs random pick "
+               f"{final['eval/random_pick_accuracy']:.3f}") if "eval/best_of_n_accuracy" in final else ""
         print(f"final held-out step accuracy {final['eval/step_accuracy']:.3f}, wrong-step F1 "
               f"{final['eval/wrong_step_f1']:.3f}, solution accuracy {final['eval/solution_accuracy']:.3f}{bon}, "
               f"after {final['iteration']} steps in {final['elapsed_s']:.0f}s; model in {output_dir / 'model'}")

@@ -4,11 +4,10 @@ that benchmarks/gpu_check.py runs there with no network (README, "On a GPU").
     python benchmarks/gpu_wheels.py          # here, in the project's venv, with PyPI reachable
 
 Which wheels: the scripts' module-level imports (tyro, datasets, torch, transformers, tokenizers, tqdm), followed
-through their requirements as installed here, skipping every package the GPU machine's image already has (IMAGE
-below; a package it has is taken with whatever it needs). Each at the version installed here, for CPython 3.12 on
-x86-64 Linux. With --transformers, also transformers at the version installed here (the pin of requirements.txt),
-which then takes the place of the image's own: the scripts run on the versions they are tested with. Then, on the GPU
-machine:
+through their requirements as installed here, skipping every package the GPU machine already has (IMAGE below; a
+package it has is taken with whatever it needs), but transformers, which is always carried at this project's pin: the
+scripts run only on the versions of requirements.txt (torch aside: the GPU machine's own CUDA build). Each at the
+version installed here, for CPython 3.12 on x86-64 Linux. Then, on the GPU machine:
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site benchmarks/.wheels/*.whl &&
         PYTHONPATH=/tmp/site python3 benchmarks/gpu_check.py
@@ -25,9 +24,9 @@ from packaging.requirements import Requirement
 
 WHEELS = Path(__file__).resolve().parent / ".wheels"
 ROOTS = ["tyro", "datasets", "torch", "transformers", "tokenizers", "tqdm"]  # what ppo.py and rloo.py import
-# the GPU machine's Python packages (the workplace's 'cuda' image for nvidia-h200, as read on 2026-11-17): Python
-# 3.12.3 with torch 2.11.0, transformers 5.17.0, tokenizers 0.23.2, huggingface_hub 1.33.0, peft, numpy, pandas,
-# pyarrow; no tyro, no datasets
+# the GPU machine's Python packages, as read on 2026-11-17: Python 3.12.3 with torch 2.11.0 (CUDA), transformers 5.17.0
+# (older than the pin: replaced), tokenizers 0.23.2, huggingface_hub 1.33.0, peft, numpy, pandas, pyarrow; no tyro, no
+# datasets
 IMAGE = set("""
 absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build certifi
 charset-normalizer chex click cloudpickle cmake colorama contourpy coverage cuda-bindings cuda-core cuda-pathfinder
@@ -82,10 +81,8 @@ def missing(roots: list[str], replace: tuple[str, ...] = ()) -> dict[str, str]:
 
 def main() -> None:
     """Download the missing wheels into WHEELS (replacing any there) and print their size and the command to run."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--transformers", action="store_true", help="also transformers at the version installed "
-                        "here (this project's pin), to run the scripts there on it instead of the image's older one")
-    need = missing(ROOTS, ("transformers",) if parser.parse_args().transformers else ())
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # --help, nothing else
+    need = missing(ROOTS, ("transformers",))
     WHEELS.mkdir(exist_ok=True)
     for old in WHEELS.glob("*.whl"):
         old.unlink()  # one version of each: two would stop the install on the GPU machine

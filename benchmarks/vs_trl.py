@@ -34,7 +34,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import artifacts  # noqa: E402
-import old_decode  # noqa: E402
 
 import ppo  # noqa: E402
 
@@ -206,12 +205,9 @@ def bare_compute(algo: str, art: Path, repeats: int = 5) -> float:
 
 def generation_speed(art: Path, repeats: int = 9) -> tuple[dict[str, float], float]:
     """Seconds for 32 x 32 sampled tokens after 8-token prompts, the same sampling on every path, medians of
-    `repeats` runs taken in turn: model.generate; the previous decode loop (benchmarks/old_decode.py's lean_decode);
-    ppo.decode_loop with the BLAS library's matmuls (as the previous decoder took them); ppo.decode_loop as
-    ppo.generate runs it (ppo.onednn_linears: oneDNN's matmuls, weights packed, on a CPU); and that as --compile runs
-    it (the forward under torch.compile(dynamic=True), the one-token step compiled once, fullgraph and fixed shapes,
-    its attention fused on a CPU: ppo.fused_attention).
-    Also the seconds that first compile took."""
+    `repeats` runs taken in turn: model.generate; ppo.decode_loop eagerly, as ppo.generate runs it; and that loop as
+    --compile runs it (the forward under torch.compile(dynamic=True), the one-token step compiled once, fullgraph and
+    fixed shapes, over a static cache). Also the seconds that first compile took."""
     from transformers import AutoModelForCausalLM, CompileConfig, GenerationConfig
 
     policy = ppo.disable_dropout(AutoModelForCausalLM.from_pretrained(art / "policy"))
@@ -222,16 +218,9 @@ def generation_speed(art: Path, repeats: int = 9) -> tuple[dict[str, float], flo
                            pad_token_id=0, eos_token_id=2)
     compiled = copy.deepcopy(gen)
     compiled.compile_config = CompileConfig(fullgraph=True, dynamic=False, mode="default")
-
-    def as_generate_runs_it(model, config):  # ppo.generate's loop: oneDNN's linear layers, compiled attention fused
-        with ppo.onednn_linears(model), ppo.fused_attention(model, config.compile_config is not None):
-            return ppo.decode_loop(model, queries, mask, config)
-
     paths = {"model.generate": lambda: policy.generate(input_ids=queries, attention_mask=mask, generation_config=gen),
-             "previous lean decode": lambda: old_decode.lean_decode(policy, queries, mask, gen),
-             "decode loop, BLAS matmuls": lambda: ppo.decode_loop(policy, queries, mask, gen),
-             "decode loop": lambda: as_generate_runs_it(policy, gen),
-             "decode loop compiled": lambda: as_generate_runs_it(compiled_policy, compiled)}
+             "decode loop": lambda: ppo.decode_loop(policy, queries, mask, gen),
+             "decode loop compiled": lambda: ppo.decode_loop(compiled_policy, queries, mask, compiled)}
     times = {name: [] for name in paths}
     with torch.no_grad():
         start = time.perf_counter()

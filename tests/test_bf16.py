@@ -1,6 +1,5 @@
 """bf16 where it is cheap, fp32 where precision counts: under bf16 autocast the policy's output layer still computes
-its logits in fp32, and a bf16 checkpoint trains on fp32 weights; on a CPU, a placed model's attention computes in
-fp32, at least as precise as SDPA's bf16 kernels."""
+its logits in fp32, and a bf16 checkpoint trains on fp32 weights; nothing else about a model changes."""
 
 import copy
 
@@ -105,64 +104,15 @@ def test_a_bf16_checkpoint_trains_on_fp32_weights(tmp_path):
         assert {p.dtype for p in policy.parameters()} == {torch.float32}
 
 
-def attention_dtypes_and_grads(dtype: str, placed: bool) -> tuple[set, list]:
-    """The dtypes that attention hands each layer's output projection in one forward and backward pass of the
-    peaked built-in policy under ppo.autocast(dtype, cpu) (placed by ppo.place, or not), and the gradients of the
-    policy's weights."""
-    tokenizer, policy = peaked_policy(ppo)
-    if placed:
-        ppo.place([policy], torch.device("cpu"), False, 1)
-    queries, responses = batch(tokenizer)
-    seen = set()
-    for layer in policy.model.layers:
-        layer.self_attn.o_proj.register_forward_pre_hook(lambda module, args: seen.add(args[0].dtype))
-    with ppo.autocast(dtype, torch.device("cpu")):
-        logprobs, _ = ppo.response_logprobs(policy, torch.cat([queries, responses], 1),
-                                            torch.ones(4, queries.shape[1] + 4, dtype=torch.long), responses, 1.0)
-    logprobs.sum().backward()
-    return seen, [p.grad.clone() for p in policy.parameters()]
-
-
-@pytest.mark.parametrize("dtype, placed, attention", [
-    ("bf16", True, torch.float32),  # placed on a CPU: fp32_sdpa
-    ("bf16", False, torch.bfloat16),  # a model nobody placed keeps SDPA as autocast runs it
-    ("fp32", True, torch.float32),
-])
-def test_placed_models_compute_attention_in_fp32_under_bf16_on_cpu(dtype, placed, attention):
-    """On a CPU under bf16 autocast, a model placed by ppo.place (and rloo.place: the same code) computes attention
-    in fp32 (fp32_sdpa; faster there than SDPA's bf16 kernels, benchmarks/attention_kernels.py), its passes with
-    and without gradients alike, so that every logprob the update compares comes from one kernel."""
-    seen, _ = attention_dtypes_and_grads(dtype, placed)
-    assert seen == {attention}
-
-
-def test_fp32_attention_is_at_least_as_precise():
-    """The gradients of a bf16 update pass are at least as close to fp32's with attention in fp32 as with SDPA in
-    bf16 (about 0.7% of each weight's gradient norm here: bf16's rounding elsewhere in the model)."""
-    _, fp32_grads = attention_dtypes_and_grads("fp32", True)
-    distances = {}
-    for name, placed in (("fp32 attention", True), ("bf16 attention", False)):
-        _, grads = attention_dtypes_and_grads("bf16", placed)
-        distances[name] = max(((a - b).norm() / b.norm()).item() for a, b in zip(grads, fp32_grads) if b.norm() > 0)
-    assert distances["fp32 attention"] <= 1.05 * distances["bf16 attention"] < 0.02
-
-
-def test_fp32_sdpa_leaves_long_passes_and_other_implementations_alone():
-    """Over more than 512 keys fp32_sdpa is SDPA as autocast runs it (bf16's flash kernel is the faster there), but
-    for one query per row (a decode step) it stays in fp32 at any length; a model with eager attention keeps it."""
-    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
-                         pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    model = ppo.fp32_attention(LlamaForCausalLM(config).eval())
-    seen = []
-    model.model.layers[0].self_attn.o_proj.register_forward_pre_hook(lambda module, args: seen.append(args[0].dtype))
-    with torch.no_grad(), ppo.autocast("bf16", torch.device("cpu")):
-        for length in (512, 513):
-            cache = DynamicCache(config=config)
-            model(input_ids=torch.ones(1, length, dtype=torch.long), past_key_values=cache, use_cache=True)
-            model(input_ids=torch.ones(1, 1, dtype=torch.long), past_key_values=cache, use_cache=True)
-    assert seen == [torch.float32, torch.float32, torch.bfloat16, torch.float32]
-    config._attn_implementation = "eager"
-    assert ppo.fp32_attention(LlamaForCausalLM(config)).config._attn_implementation == "eager"
+def test_placing_a_model_keeps_its_attention_and_its_forward():
+    """ppo.place moves a model and turns dropout off; its attention implementation stays the one from_pretrained
+    gave it, and no module's forward is replaced (the output layer's fp32 wrapper, from loading, aside)."""
+    _, policy = ppo.load_policy("builtin", False)
+    own = {name: m.__dict__.get("forward") for name, m in policy.named_modules()}
+    before = policy.config._attn_implementation
+    ppo.place([policy], torch.device("cpu"), False, 1)
+    with ppo.autocast("bf16", torch.device("cpu")):
+        policy(input_ids=torch.tensor([[1, 5, 6]]))
+    assert policy.config._attn_implementation == before == "sdpa"
+    assert {name: m.__dict__.get("forward") for name, m in policy.named_modules()} == own
+    assert [name for name, forward in own.items() if forward is not None] == ["lm_head"]

@@ -15,11 +15,10 @@ SHARED_ABOVE_MARKER = ["response_valid_mask", "masked_mean", "kl_penalty"]
 # name the two files share is deliberately the script's own: Args (its flags), main (its loop) and evaluate (the
 # PRM's held-out step metrics, not a policy's greedy decoding).
 SHARED_WITH_PRM = [
-    "autocast", "fp32_sdpa", "FP32_SDPA", "fp32_attention", "BUILTIN_CHARS", "build_tokenizer", "build_tiny_model",
-    "fail",
-    "load_pretrained", "model_context", "world_size", "global_sum", "sync_gradients", "step_or_skip",
-    "setup_distributed", "average_metrics", "open_run", "log_row", "rng_states", "set_rng_states", "save_checkpoint",
-    "find_checkpoint", "load_state", "MemoryArgs", "with_lora", "trainable", "load_weights",
+    "autocast", "BUILTIN_CHARS", "build_tokenizer", "build_tiny_model", "fail", "load_pretrained", "model_context",
+    "world_size", "global_sum", "sync_gradients", "step_or_skip", "setup_distributed", "average_metrics", "open_run",
+    "log_row", "rng_states", "set_rng_states", "save_checkpoint", "find_checkpoint", "load_state", "MemoryArgs",
+    "with_lora", "trainable", "load_weights",
 ]
 COPIES = {
     "rloo.py": SHARED_ABOVE_MARKER,
@@ -59,12 +58,20 @@ def test_machinery_blocks_of_ppo_and_rloo_are_identical():
     assert rloo_block == ppo_block, "rloo.py's machinery block differs from ppo.py's: keep them identical"
 
 
-@pytest.mark.parametrize("script, budget", [("ppo.py", 500), ("rloo.py", 500), ("stepwise_prm.py", 400)])
-def test_the_algorithm_and_its_loop_fit_above_the_marker_in_the_budget(script, budget):
+# (the marker's line, the whole file's lines) at most, as `wc -l` counts them
+BUDGETS = {"ppo.py": (500, 1580), "rloo.py": (500, 1580), "stepwise_prm.py": (400, 900), "interleave.py": (None, 560)}
+
+
+@pytest.mark.parametrize("script", BUDGETS)
+def test_each_script_fits_its_line_budgets(script):
     """The reader's path (docstring, imports, config, the algorithm, main) ends at the marker within the line budget
-    of the style guide; whatever else a change needs goes below it."""
-    above = (ROOT / script).read_text().split(f"\n{MARKER}")[0].count("\n") + 2  # the marker's own line number
-    assert above <= budget, f"{script}'s marker is on line {above}, past the budget of {budget}: move machinery below"
+    of the style guide, and the whole file within its own: a new feature pays for its lines."""
+    marker_budget, file_budget = BUDGETS[script]
+    text = (ROOT / script).read_text()
+    if marker_budget is not None:
+        above = text.split(f"\n{MARKER}")[0].count("\n") + 2  # the marker's own line number
+        assert above <= marker_budget, f"{script}'s marker is on line {above}, past {marker_budget}: move machinery on"
+    assert text.count("\n") <= file_budget, f"{script} has {text.count(chr(10))} lines, over its {file_budget}"
 
 
 def test_every_definition_rloo_shares_with_ppo_is_guarded():

@@ -5,8 +5,8 @@ Each page's commands run in order in one fresh folder (so a later command can us
 the files the page shows with a title (```python title="my_rewards.py"```) are written there. Tiny settings are
 appended to each command (they override the documented ones), hub ids are replaced by local stand-ins built from
 config (nothing can be downloaded here), torchrun runs 2 processes on one machine, and the benchmarks that need TRL's
-own virtual environment, take an hour or check out another commit (vs_trl.py, prm_rewards.py, before_after.py,
-bf16_parts.py) are checked with --help: every flag the page uses must be one they take. The commands of the four
+own virtual environment, take an hour or check out another commit (vs_trl.py, prm_rewards.py, before_after.py)
+are checked with --help: every flag the page uses must be one they take. The commands of the four
 scripts run in the test's process (conftest.run_main runs the script's __main__ block as `python` would), except
 those with --track or --compile and those under torchrun, which get a process of their own.
 """
@@ -44,11 +44,8 @@ TINY = {
     "benchmarks/interleave_table.py": ["--seeds", "1", "--budget", "2"],
     "benchmarks/memory_growth.py": ["--iterations", "3", "--batch-size", "16"],
     "benchmarks/plot.py": [],
-    "benchmarks/attention_kernels.py": ["--lengths", "16", "--repeats", "1"],
-    "benchmarks/decode_steps.py": ["--steps", "3", "--no-compile"],
 }
-HELP_ONLY = {"benchmarks/vs_trl.py", "benchmarks/prm_rewards.py", "benchmarks/before_after.py",
-             "benchmarks/bf16_parts.py"}
+HELP_ONLY = {"benchmarks/vs_trl.py", "benchmarks/prm_rewards.py", "benchmarks/before_after.py"}
 HUB_MODELS = {"Qwen/Qwen2.5-0.5B-Instruct", "Qwen/Qwen2.5-0.5B", "Qwen/Qwen2.5-1.5B-Instruct",
               "Qwen/Qwen2.5-7B-Instruct", "./my-sft-model"}
 FENCE = re.compile(r"^```(\w*)([^\n]*)\n(.*?)^```", re.M | re.S)

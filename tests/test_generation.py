@@ -1,7 +1,8 @@
 """Generation: the decode loop (the model's own forward with a key/value cache: one that grows, eager; a static one
 under --compile) gives model.generate's greedy tokens for several architectures and samples from the same
-distribution; stop strings end rows and cut responses exactly where decoding every prefix would; models the loop
-cannot take go through model.generate, said once."""
+distribution; stop strings end rows and cut responses exactly where decoding every prefix would; a model whose
+forward takes no cache object goes through model.generate, said once, and one whose layers keep a sliding window
+decodes eagerly under --compile, said once."""
 
 import random
 
@@ -11,8 +12,10 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
     GenerationConfig,
+    GPT2Config,
     GPTNeoXConfig,
     LlamaConfig,
+    LlamaForCausalLM,
     MistralConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
@@ -28,7 +31,9 @@ def tiny(config_cls, vocab_size: int = 500, **kwargs):
     torch.manual_seed(0)
     sizes = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4)
-    if config_cls is not GPTNeoXConfig:
+    if config_cls is GPT2Config:  # learned absolute positions: left padding needs the position ids the loop gives
+        sizes = dict(vocab_size=vocab_size, n_embd=64, n_layer=2, n_head=4, n_positions=128)
+    elif config_cls is not GPTNeoXConfig:
         sizes["num_key_value_heads"] = 2
     return AutoModelForCausalLM.from_config(config_cls(**sizes, **SPECIAL, **kwargs)).eval()
 
@@ -41,12 +46,19 @@ def left_padded(*prompts):
 # ---- greedy: exactly model.generate's tokens ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("config_cls", [LlamaConfig, Qwen2Config, GPTNeoXConfig], ids=["llama", "qwen2", "gpt_neox"])
-def test_greedy_equals_generate_with_left_padding(config_cls):
-    model = tiny(config_cls)  # Qwen2: biases on q, k, v; GPT-NeoX: fused qkv, partial rotary, parallel residual
+ARCHITECTURES = {"llama": (LlamaConfig, {}), "qwen2": (Qwen2Config, {}), "gpt_neox": (GPTNeoXConfig, {}),
+                 "gpt2": (GPT2Config, {}), "mistral": (MistralConfig, {"sliding_window": 4096}),
+                 "mistral_window_8": (MistralConfig, {"sliding_window": 8})}
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_greedy_equals_generate_with_left_padding(arch):
+    """Qwen2: biases on q, k, v; GPT-NeoX: fused qkv, partial rotary, parallel residual; GPT-2: learned positions;
+    Mistral: a sliding window longer than the cache, and one of 8 tokens, shorter than prompt and response."""
+    config_cls, extra = ARCHITECTURES[arch]
+    model = tiny(config_cls, **extra)
     queries, mask = left_padded([1, 5, 6, 7], [1, 9, 10, 11, 12, 13, 14], [1, 20])
     gen = GenerationConfig(do_sample=False, max_new_tokens=12, **SPECIAL)
-    assert ppo.decode_loop_unsupported(model, gen, ppo.cache_length(queries.shape[1], 12)) is None
     expected = model.generate(input_ids=queries, attention_mask=mask, generation_config=gen)[:, queries.shape[1]:]
     assert torch.equal(ppo.decode_loop(model, queries, mask, gen), expected)
     # rows ending at different steps: EOS is the token row 0 greedily takes third; the rest of each row is padding
@@ -233,25 +245,44 @@ def test_stop_strings_end_rows_during_decoding():
     assert torch.equal(ended, expected[2])
 
 
-# ---- models and settings the loop does not take ---------------------------------------------------------------------
+# ---- models the loop does not take, the compiled step, sampling's edge ---------------------------------------------
 
 
-def test_other_models_and_settings_go_through_generate_said_once(capsys):
+class PastKeyValuesLM(LlamaForCausalLM):
+    """A causal LM whose forward takes `past_key_values`, not a cache object, as remote-code models of older
+    transformers releases do: the decode loop's `cache=` would land in its **kwargs, unused."""
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, **kwargs):
+        kwargs.pop("cache", None)
+        return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               cache=past_key_values, **kwargs)
+
+
+def test_a_model_whose_forward_takes_no_cache_object_goes_through_generate_said_once(capsys):
     tokenizer = ppo.build_tokenizer()
-    model = tiny(MistralConfig, vocab_size=len(tokenizer), sliding_window=8)  # a window shorter than the cache
-    queries = ppo.left_pad([tokenizer("3+4=").input_ids], tokenizer.pad_token_id)
-    _, greedy = ppo.generation_configs(ppo.GenArgs(max_new_tokens=12), tokenizer, 1.0)
-    reason = ppo.decode_loop_unsupported(model, greedy, ppo.cache_length(queries.shape[1], 12))
-    assert "sliding window" in reason
+    torch.manual_seed(0)
+    model = PastKeyValuesLM(ppo.build_tiny_model(tokenizer).config).eval()
+    queries = ppo.left_pad([tokenizer("3+4=").input_ids, tokenizer("12+30=").input_ids], tokenizer.pad_token_id)
+    _, greedy = ppo.generation_configs(ppo.GenArgs(max_new_tokens=8), tokenizer, 1.0)
     ppo.print_once.cache_clear()
     for _ in range(2):
         responses, _, _ = ppo.generate(model, tokenizer, queries, greedy, [])
-    assert capsys.readouterr().out == f"generation through model.generate, not the decode loop: {reason}\n"
-    mask = torch.ones_like(queries)
+    assert capsys.readouterr().out == ("generation through model.generate: PastKeyValuesLM's forward takes no cache "
+                                       "object\n")
+    mask = ((queries != tokenizer.pad_token_id).cumsum(1) > 0).long()
     expected = model.generate(input_ids=queries, attention_mask=mask, generation_config=greedy)[:, queries.shape[1]:]
     assert torch.equal(responses, ppo.cut_responses(tokenizer, expected, [])[0])
-    greedy.suppress_tokens = [5]  # a setting next_token does not implement
-    assert "suppress_tokens" in ppo.decode_loop_unsupported(ppo.build_tiny_model(tokenizer), greedy, 16)
+    plain = ppo.build_tiny_model(tokenizer)  # transformers' own model: the decode loop, nothing said
+    ppo.generate(plain, tokenizer, queries, greedy, [])
+    assert capsys.readouterr().out == ""
+
+
+def compile_config() -> ppo.CompileConfig:
+    """--compile's setting, with the graphs of tests before forgotten."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    ppo.compiled_decode_step.cache_clear()
+    return ppo.CompileConfig(fullgraph=True, dynamic=False, mode="default")
 
 
 def test_compiled_step_gives_the_eager_tokens():
@@ -262,10 +293,7 @@ def test_compiled_step_gives_the_eager_tokens():
     gen = GenerationConfig(do_sample=False, max_new_tokens=6, **SPECIAL)
     eager = ppo.decode_loop(model, queries, mask, gen)
     assert "decode_caches" not in model.__dict__  # eager: nothing kept between calls
-    gen.compile_config = ppo.CompileConfig(fullgraph=True, dynamic=False, mode="default")
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()  # the graphs of tests before
-    ppo.compiled_decode_step.cache_clear()
+    gen.compile_config = compile_config()
     assert torch.equal(ppo.decode_loop(model, queries, mask, gen), eager)
     (cache,) = model.decode_caches.values()
     keys = cache.layers[0].keys.data_ptr()
@@ -274,147 +302,46 @@ def test_compiled_step_gives_the_eager_tokens():
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
+def test_compiled_gpt2_gives_the_eager_tokens():
+    """GPT-2's learned positions under the compiled step: model.generate's greedy tokens, with left padding."""
+    model = tiny(GPT2Config)
+    queries, mask = left_padded([1, 5, 6, 7], [1, 9, 10, 11, 12, 13, 14], [1, 20])
+    gen = GenerationConfig(do_sample=False, max_new_tokens=6, **SPECIAL)
+    expected = model.generate(input_ids=queries, attention_mask=mask, generation_config=gen)[:, queries.shape[1]:]
+    gen.compile_config = compile_config()
+    assert torch.equal(ppo.decode_loop(model, queries, mask, gen), expected)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
-def test_compiled_loop_leaves_sliding_window_layers_to_generate():
-    """A sliding-window layer's static cache counts its tokens in a Python int, which the compiled step (its guards
-    skipped after the first) would keep at its first value: Mistral's window of 4,096 is longer than the cache, the
-    eager loop takes it and the compiled one gave wrong greedy tokens, silently. Under --compile such a model goes
-    through model.generate, with its tokens."""
+
+def test_sliding_window_layers_decode_eagerly_under_compile_said_once(capsys):
+    """A sliding-window layer's static cache counts its tokens in a Python int, which a compiled step would keep at its
+    first value (wrong tokens, silently). Under --compile such a model (Mistral; its window longer than the cache, or
+    shorter) runs the decode loop eagerly, said once, with model.generate's tokens, and compiles nothing."""
     tokenizer = ppo.build_tokenizer()
-    model = tiny(MistralConfig, vocab_size=len(tokenizer))
     queries = ppo.left_pad([tokenizer("3+4=").input_ids, tokenizer("12+5=").input_ids], tokenizer.pad_token_id)
-    _, greedy = ppo.generation_configs(ppo.GenArgs(max_new_tokens=6), tokenizer, 1.0)
-    length = ppo.cache_length(queries.shape[1], 6)
-    assert ppo.decode_loop_unsupported(model, greedy, length) is None
     mask = (queries != tokenizer.pad_token_id).long()
-    expected = model.generate(input_ids=queries, attention_mask=mask, generation_config=greedy)[:, queries.shape[1]:]
-    greedy.compile_config = ppo.CompileConfig(fullgraph=True, dynamic=False, mode="default")
-    assert "sliding-window" in ppo.decode_loop_unsupported(model, greedy, length)
-    responses, _, _ = ppo.generate(model, tokenizer, queries, greedy, [])
-    assert torch.equal(responses, ppo.cut_responses(tokenizer, expected, [])[0])
-
-# ---- oneDNN's matmuls on a CPU: another kernel, the same model -----------------------------------------------------
-
-
-def linear_forwards(model) -> list:
-    return [m.__dict__.get("forward") for m in model.modules() if type(m) is torch.nn.Linear]
-
-
-def test_onednn_linears_change_the_kernel_and_nothing_else():
-    """Within onednn_linears, a pass without gradients runs the model's linear layers through oneDNN's matmul (the
-    profiler sees mkldnn's linear and no BLAS matmul) with the plain forward's logits and greedy tokens, each weight
-    packed in oneDNN's layout on entry (so a weight changed in between, as an optimizer step changes it, is packed
-    anew); each layer's own forward is back after, the output layer's fp32 wrapper (fp32_output_layer) included and
-    the packed copies gone. Under bf16 autocast the weights are packed in bf16, as autocast would cast them, but the
-    output layer's, whose fp32_output_layer wrapper computes in fp32: autocast's logits. With gradients it changes
-    nothing."""
-    model = ppo.fp32_output_layer(tiny(LlamaConfig))
-    own = linear_forwards(model)
-    assert own[-1] is not None and own[:-1] == [None] * 14  # the output layer's wrapper, the others' class forward
-    queries, mask = left_padded([1, 5, 6, 7], [1, 9, 10, 11, 12, 13, 14])
-    gen = GenerationConfig(do_sample=False, max_new_tokens=6, **SPECIAL)
-    with torch.no_grad():
-        plain_logits = model(input_ids=queries, attention_mask=mask).logits
-        plain = ppo.decode_loop(model, queries, mask, gen)
-        with ppo.onednn_linears(model):
-            assert all(forward is not None and forward not in own for forward in linear_forwards(model))
-            assert all(m.onednn_weight.is_mkldnn for m in model.modules() if type(m) is torch.nn.Linear)
-            with torch.profiler.profile() as prof:
-                logits = model(input_ids=queries, attention_mask=mask).logits
-            ops = {event.key for event in prof.key_averages()}
-            assert torch.equal(ppo.decode_loop(model, queries, mask, gen), plain)
-    assert "mkldnn::_linear_pointwise" in ops and not ops & {"aten::mm", "aten::addmm", "aten::bmm"}, ops
-    torch.testing.assert_close(logits, plain_logits, rtol=1e-5, atol=1e-5)
-    assert linear_forwards(model) == own
-    assert not any(hasattr(m, "onednn_weight") for m in model.modules())
-    with torch.no_grad():
-        model.model.layers[0].mlp.up_proj.weight.mul_(-2.0)  # as an optimizer step would, in place
-        changed_logits = model(input_ids=queries, attention_mask=mask).logits
-        with ppo.onednn_linears(model):
-            torch.testing.assert_close(model(input_ids=queries, attention_mask=mask).logits, changed_logits,
-                                       rtol=1e-5, atol=1e-5)
-    with ppo.onednn_linears(model):  # gradients on: BLAS, as before
-        assert linear_forwards(model) == own
-    with torch.no_grad(), ppo.autocast("bf16", torch.device("cpu")):  # bf16: the weights packed in bf16, as
-        autocast_logits = model(input_ids=queries, attention_mask=mask).logits  # autocast casts them, but the
-        with ppo.onednn_linears(model):  # output layer's, which fp32_output_layer computes in fp32
-            dtypes = [m.onednn_weight.dtype for m in model.modules() if type(m) is torch.nn.Linear]
-            with torch.profiler.profile() as prof:
-                logits = model(input_ids=queries, attention_mask=mask).logits
-        assert dtypes == [torch.bfloat16] * 14 + [torch.float32] and logits.dtype == torch.float32
-        assert not {event.key for event in prof.key_averages()} & {"aten::mm", "aten::addmm", "aten::linear"}
-        torch.testing.assert_close(logits, autocast_logits, rtol=1e-4, atol=1e-4)
-    assert linear_forwards(model) == own
+    _, greedy = ppo.generation_configs(ppo.GenArgs(max_new_tokens=12), tokenizer, 1.0)
+    greedy.compile_config = compile_config()
+    ppo.print_once.cache_clear()
+    for window in (4096, 8):
+        model = tiny(MistralConfig, vocab_size=len(tokenizer), sliding_window=window)
+        expected = model.generate(input_ids=queries, attention_mask=mask,
+                                  generation_config=GenerationConfig(**greedy.to_diff_dict()))[:, queries.shape[1]:]
+        responses, _, _ = ppo.generate(model, tokenizer, queries, greedy, [])
+        assert torch.equal(responses, ppo.cut_responses(tokenizer, expected.cpu(), [])[0]), window
+    assert capsys.readouterr().out == ("--compile: MistralForCausalLM keeps a sliding window (or another cache than a "
+                                       "plain static one) in some layer, which the compiled decode step cannot take: "
+                                       "it decodes eagerly\n")
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0
 
 
-def test_onednn_linears_under_compile_keep_one_graph():
-    """--compile's decode step with oneDNN's linear layers (an operator registered with torch.library, which
-    torch.compile calls as it is) gives the eager tokens and compiles once for two calls, each in its own
-    onednn_linears."""
-    model = tiny(LlamaConfig)
-    queries, mask = left_padded([1, 5, 6, 7], [1, 9, 10, 11, 12, 13, 14])
-    gen = GenerationConfig(do_sample=False, max_new_tokens=6, **SPECIAL)
-    eager = ppo.decode_loop(model, queries, mask, gen)
-    gen.compile_config = ppo.CompileConfig(fullgraph=True, dynamic=False, mode="default")
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()  # the graphs of tests before
-    ppo.compiled_decode_step.cache_clear()
-    for _ in range(2):
-        with ppo.onednn_linears(model):
-            assert torch.equal(ppo.decode_loop(model, queries, mask, gen), eager)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
-    assert linear_forwards(model) == [None] * 15
-
-
-# ---- the compiled step's attention on a CPU: products and sums, SDPA's results ------------------------------------
-
-
-def test_one_query_attention_gives_sdpas_output():
-    """One query per row over a cache with masked slots (left padding, slots not written yet), grouped-query heads
-    (2 key/value heads for 6 query heads): SDPA's output; with more than one query, or no mask, it is SDPA."""
-    torch.manual_seed(0)
-    module = torch.nn.Module()
-    module.num_key_value_groups, module.is_causal, module.training = 3, True, False
-    key, value = torch.randn(2, 2, 10, 8), torch.randn(2, 2, 10, 8)
-    mask = torch.ones(2, 1, 1, 10, dtype=torch.bool)
-    mask[0, ..., :3] = False  # left padding of row 0
-    mask[..., 7:] = False  # slots not written yet
-    sdpa = ppo.AttentionInterface()["sdpa"]
-    for query, m in [(torch.randn(2, 6, 1, 8), mask), (torch.randn(2, 6, 4, 8), mask.expand(2, 1, 4, 10)),
-                     (torch.randn(2, 6, 1, 8), None)]:
-        out, _ = ppo.one_query_attention(module, query, key, value, m, scaling=0.3)
-        expected, _ = sdpa(module, query, key, value, m, scaling=0.3)
-        assert out.shape == expected.shape == (2, query.shape[2], 6, 8)
-        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
-    unmasked, masked = out, ppo.one_query_attention(module, query, key, value, mask, scaling=0.3)[0]
-    assert (unmasked - masked).abs().min() > 1e-3  # the mask counts: every head of every row changes
-
-
-def test_fused_attention_takes_the_compiled_step_only():
-    """Within fused_attention, a compiled decode step on a CPU runs no SDPA kernel (the profiler sees none) and decodes
-    the eager tokens, one graph for two calls; eager decoding keeps SDPA; the model's attention is SDPA again after
-    (fp32_sdpa, if it was)."""
-    model = tiny(LlamaConfig)
-    queries, mask = left_padded([1, 5, 6, 7], [1, 9, 10, 11, 12, 13, 14])
-    gen = GenerationConfig(do_sample=False, max_new_tokens=6, **SPECIAL)
-    eager = ppo.decode_loop(model, queries, mask, gen)
-    with ppo.fused_attention(model, compiled=False):
-        assert model.config._attn_implementation == "sdpa"
-    gen.compile_config = ppo.CompileConfig(fullgraph=True, dynamic=False, mode="default")
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()  # the graphs of tests before
-    ppo.compiled_decode_step.cache_clear()
-    for _ in range(2):
-        with ppo.fused_attention(model, compiled=True), torch.profiler.profile() as prof:
-            assert model.config._attn_implementation != "sdpa"
-            assert torch.equal(ppo.decode_loop(model, queries, mask, gen), eager)
-        steps = [e for e in prof.events() if e.name.startswith("Torch-Compiled Region")]
-        assert len(steps) == 5 and not any("scaled_dot_product" in e.name for e in prof.events()
-                                           if any(e.time_range.start >= s.time_range.start
-                                                  and e.time_range.end <= s.time_range.end for s in steps))
-        assert model.config._attn_implementation == "sdpa"
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
-    ppo.fp32_attention(model)  # as ppo.place leaves a model on a CPU: switched too, and back to fp32_sdpa after
-    with ppo.fused_attention(model, compiled=True):
-        assert model.config._attn_implementation.endswith("_one_query")
-    assert model.config._attn_implementation == ppo.FP32_SDPA
+def test_sampling_never_draws_a_token_of_probability_zero(monkeypatch):
+    """torch.rand returns exactly 0 about once in 2^24 draws: the inverse CDF must then still pick a token the
+    filters kept (before the fix, searchsorted picked token 0, filtered out or not)."""
+    logits = torch.tensor([[5.0, 1.0, 4.0, 3.0], [0.0, 2.0, 1.0, 3.0]])  # top-2: tokens 0 and 2, then 1 and 3
+    gen = GenerationConfig(do_sample=True, top_k=2, temperature=1.0)
+    seen = torch.zeros(2, 0, dtype=torch.long)
+    monkeypatch.setattr(torch, "rand", lambda *shape, **kw: torch.zeros(*shape, **kw))
+    assert ppo.next_token(logits, seen, gen, 0).tolist() == [2, 3]  # the last kept token of each row
+    monkeypatch.setattr(torch, "rand", lambda *shape, **kw: torch.full(shape, 1 - 2 ** -24, **kw))  # rand's largest
+    assert ppo.next_token(logits, seen, gen, 0).tolist() == [0, 1]  # the first kept token of each row

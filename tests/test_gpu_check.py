@@ -1,11 +1,10 @@
 """The GPU check without a GPU: benchmarks/gpu_check.py says in one line that there is no CUDA device and prints its
 whole table at the tiny size on CPU; its prompts have the stated length; benchmarks/gpu_wheels.py picks exactly the
-packages the GPU machine's image lacks; and the scripts' generation works with the transformers installed, be it
-this project's pin or the GPU machine's older release (cache keyword, cache dtypes under bf16 autocast)."""
+packages the GPU machine lacks, and the pinned transformers; and what the GPU check runs works here: bf16 autocast
+over fp32 weights in the decode loop (eager and compiled), generation under gradient checkpointing."""
 
 import copy
 import importlib.metadata
-import inspect
 import json
 import re
 import sys
@@ -54,51 +53,42 @@ def test_prompts_have_the_stated_length(tmp_path):
     assert len(tokenizer) == gpu_check.TINY.tokenizer_vocab
 
 
-def test_wheels_are_what_the_gpu_image_lacks():
-    need = gpu_wheels.missing(gpu_wheels.ROOTS)
-    assert {"tyro", "datasets"} <= need.keys()  # the scripts import both; the image has neither
-    assert not need.keys() & gpu_wheels.IMAGE and not need.keys() & {"torch", "transformers", "tokenizers", "tqdm"}
+def test_wheels_are_what_the_gpu_machine_lacks_and_the_pinned_transformers():
+    need = gpu_wheels.missing(gpu_wheels.ROOTS, ("transformers",))
+    assert {"tyro", "datasets", "transformers"} <= need.keys()  # the scripts import the first two; the GPU machine
+    assert need.keys() & gpu_wheels.IMAGE == {"transformers"}  # has neither, and an older transformers
+    assert not need.keys() & {"torch", "tokenizers", "tqdm"}
     assert all(importlib.metadata.version(name) == version for name, version in need.items())
+    assert need["transformers"] == next(line.split("==")[1] for line in (ROOT / "requirements.txt").read_text()
+                                        .splitlines() if line.startswith("transformers=="))
 
 
-@pytest.mark.parametrize("script", [ppo, rloo], ids=["ppo", "rloo"])
-@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "GPTNeoXForCausalLM", "MistralForCausalLM"])
-def test_cache_keyword_is_one_that_forward_takes(script, arch):
-    """decode_loop and shared_prefix_logprobs pass their caches as script.CACHE_KWARG: `cache` in transformers 5.24,
-    `past_key_values` in 5.17, whose forward would take a `cache=` into **kwargs and attend to the new token alone."""
-    assert script.CACHE_KWARG in inspect.signature(getattr(transformers, arch).forward).parameters
-
-
-def test_generate_under_bf16_autocast_with_fp32_weights():
+def test_decode_loop_under_bf16_autocast_with_fp32_weights():
     """What --dtype bf16 runs: fp32 weights, forward passes under bf16 autocast, so keys come out fp32 (RoPE runs in
-    the weights' dtype) and values bf16. The eager decode loop's growing cache takes both in every release (5.17's
-    casts the values up to the keys' dtype). A static cache (--compile) keeps each in its own dtype in 5.24; 5.17's
-    keeps both in the keys' and failed on the values, so there the compiled loop declines and model.generate
-    decodes (the GPU machine's image has 5.17: benchmarks/gpu_wheels.py --transformers brings the pin)."""
+    the weights' dtype) and values bf16. The eager loop's growing cache and the compiled loop's static one (each
+    keeps keys and values in their own dtypes) give model.generate's greedy tokens under the same autocast."""
     tokenizer = ppo.build_tokenizer()
     torch.manual_seed(0)
     model = ppo.build_tiny_model(tokenizer).eval()
     queries = ppo.left_pad([tokenizer(p).input_ids for p in ["1+2=", "3+4+5="]], tokenizer.pad_token_id)
+    mask = (queries != tokenizer.pad_token_id).long()
     gen = transformers.GenerationConfig(do_sample=False, max_new_tokens=4, pad_token_id=tokenizer.pad_token_id,
                                         eos_token_id=tokenizer.eos_token_id)
     compiled = copy.deepcopy(gen)
     compiled.compile_config = transformers.CompileConfig(fullgraph=True, dynamic=False)
-    with ppo.autocast("bf16", torch.device("cpu")):
-        assert ppo.decode_loop_unsupported(model, gen, 16) is None
-        reason = ppo.decode_loop_unsupported(model, compiled, 16)
-        if transformers.__version__ == "5.17.0":
-            assert "keys and values differ in dtype" in reason
-        if transformers.__version__ == "5.24.0":  # requirements.txt's pin
-            assert reason is None
-        responses, lengths, ended = ppo.generate(model, tokenizer, queries, gen, [])
-    assert responses.shape[0] == 2 and 1 <= responses.shape[1] <= 4 and lengths.min() >= 1
+    with torch.no_grad(), ppo.autocast("bf16", torch.device("cpu")):
+        expected = model.generate(input_ids=queries, attention_mask=mask, generation_config=gen)[:, queries.shape[1]:]
+        assert torch.equal(ppo.decode_loop(model, queries, mask, gen), expected)
+        assert torch.equal(ppo.decode_loop(model, queries, mask, compiled), expected)
+    (cache,) = model.decode_caches.values()
+    assert (cache.layers[0].keys.dtype, cache.layers[0].values.dtype) == (torch.float32, torch.bfloat16)
 
 
 def test_generation_and_rloo_keep_their_cache_under_gradient_checkpointing():
-    """--gradient-checkpointing trains the models in training mode, where transformers 5.17 drops the key/value cache
-    of a checkpointing layer even without gradients: each new token attended to itself alone (logits 0.59 off on the
-    tiny model) and rloo_step's shared-prompt pass found no cache. generate and rloo_step's passes without gradients
-    run the model in eval mode (no_checkpointing): the samples are eval mode's, the modes are back afterwards."""
+    """--gradient-checkpointing trains the models in training mode, where a checkpointing layer drops its key/value
+    cache when there are gradients (transformers 5.17 did even without: each new token attended to itself alone).
+    Without gradients the pinned release keeps it: generate samples what eval mode samples, and rloo_step's
+    shared-prompt pass without gradients finds its cache (ratio 1)."""
     tokenizer = ppo.build_tokenizer()
     torch.manual_seed(0)
     model = ppo.build_tiny_model(tokenizer).eval()
@@ -110,13 +100,9 @@ def test_generation_and_rloo_keep_their_cache_under_gradient_checkpointing():
     expected = ppo.generate(model, tokenizer, queries, gen, [])[0]
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    seen = []
-    hook = model.register_forward_pre_hook(lambda module, args: seen.append(module.training))
     torch.manual_seed(1)
     responses = ppo.generate(model, tokenizer, queries, gen, [])[0]
-    hook.remove()
-    assert torch.equal(responses, expected)
-    assert seen and not any(seen) and all(m.training for m in model.modules())
+    assert torch.equal(responses, expected) and all(m.training for m in model.modules())
     hp = rloo.RLOOHParams(rloo_k=2, num_mini_batches=2, kl_coef=0.0)  # not fused: old logprobs without gradients
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     metrics = rloo.rloo_step(model, None, optimizer, queries, responses, torch.linspace(0, 1, 8), hp=hp,
