@@ -429,7 +429,9 @@ def rl_phase_step(args: Args, phase: str, models: dict, ref_policy, optimizer, t
     with ppo.autocast(cfg.hp.dtype, next(policy.parameters()).device), phase_flags(phase):
         out = ppo.rollout(policy, tokenizer, rows, sample, args.gen.stop_strings, task)
     if args.sft.on_failures:  # each prompt once, however many of its k samples failed; the buffer keeps the newest 1024
-        failed = {i // k: rows[i] for i in range(len(rows)) if out["scores"][i] < task.args.success_threshold}
+        col = args.sft.completion_column  # of a row, what SFT reads, as plain data that a checkpoint can hold
+        failed = {i // k: json.loads(json.dumps({"prompt": rows[i]["prompt"], col: str(rows[i][col])}, default=str))
+                  for i in range(len(rows)) if out["scores"][i] < task.args.success_threshold}
         failures.extend(failed.values())
         del failures[:-1024]
     common = {"hp": cfg.hp, "pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}

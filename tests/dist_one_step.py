@@ -1,7 +1,6 @@
 """Launched by tests/test_distributed.py under torchrun: one ppo_step or rloo_step on a fixed global batch, split over
-the processes (plain data parallel, or FSDP2 with --fsdp; with --lora, LoRA adapters and no reference copy, with
-or without FSDP2); rank 0
-saves the resulting parameters.
+the processes (plain data parallel, or FSDP2 with --fsdp; with --lora, perturbed LoRA adapters and no reference copy,
+with or without FSDP2); rank 0 saves the resulting parameters and the step's KL to the reference.
 
     torchrun --nproc_per_node 2 tests/dist_one_step.py ppo out.pt [--fsdp] [--lora]
 """
@@ -29,6 +28,10 @@ def main(algo: str, out: str, fsdp: bool, lora: bool) -> None:
     if lora:  # adapters on the policy and the value model; the reference is the policy with its adapters off
         memory = ppo.MemoryArgs(lora_r=4)
         policy, value, ref = ppo.with_lora(policy, memory), ppo.with_lora(value, memory), None
+        with torch.no_grad():  # adapters that change the policy (peft starts lora_B at 0), so that the reference,
+            for name, p in policy.named_parameters():  # the policy with them off, is a model of its own
+                if "lora_B" in name:
+                    p.normal_(std=0.2)
     # the global batch: 4 prompts x 4 responses of different lengths, identical in every process
     gen = torch.Generator().manual_seed(1)
     queries = ppo.left_pad([tokenizer(f"{i}+{i * 3}=").input_ids for i in range(4)], tokenizer.pad_token_id)
@@ -46,12 +49,13 @@ def main(algo: str, out: str, fsdp: bool, lora: bool) -> None:
     optimizer = torch.optim.SGD([p for m in models for p in m.parameters() if p.requires_grad], lr=0.5)
     common = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     if algo == "ppo":
-        ppo.ppo_step(policy, value, ref, optimizer, queries[mine], responses[mine], rewards[mine],
-                     hp=ppo.PPOHParams(num_ppo_epochs=1, num_mini_batches=1, kl_coef=0.1), **common)
+        metrics = ppo.ppo_step(policy, value, ref, optimizer, queries[mine], responses[mine], rewards[mine],
+                               hp=ppo.PPOHParams(num_ppo_epochs=1, num_mini_batches=1, kl_coef=0.1), **common)
     else:
-        rloo.rloo_step(policy, ref, optimizer, queries[mine], responses[mine], rewards[mine],
-                       hp=rloo.RLOOHParams(kl_coef=0.1), **common)
+        metrics = rloo.rloo_step(policy, ref, optimizer, queries[mine], responses[mine], rewards[mine],
+                                 hp=rloo.RLOOHParams(kl_coef=0.1), **common)
     weights = {f"{i}.{k}": v for i, m in enumerate(models) for k, v in ppo.full_state_dict(m).items()}
+    weights["kl"] = ppo.average_metrics({"kl": metrics["objective/kl"]}, device)["kl"]  # the KL to the reference
     if rank == 0:
         torch.save(weights, out)
     if torch.distributed.is_initialized():

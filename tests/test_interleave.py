@@ -137,6 +137,39 @@ def test_resume_in_the_middle_of_a_schedule(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+NUMPY_ROWS = """
+import datetime
+
+import numpy as np
+
+
+def sums(rng):
+    a, b = rng.randrange(10), rng.randrange(10)
+    return {"prompt": f"{a}+{b}=", "answer": np.int64(a + b), "asked": datetime.date(2026, 12, 2)}
+
+
+def exact(prompts, completions, answer, **kwargs):
+    return [float(c == str(a)) for c, a in zip(completions, answer)]
+"""
+
+
+def test_failures_holding_numpy_numbers_and_dates_are_checkpointed_and_resumed(tmp_path):
+    """A prompt function's rows may hold numpy numbers and dates (a dataset's columns too); the prompts that RLOO failed
+    go into the failure buffer, which checkpoints keep: as plain data, what SFT reads of them, so that --resume reads
+    back what the checkpoint wrote (torch.load's weights_only refuses numpy and datetime objects)."""
+    (tmp_path / "my_rows.py").write_text(NUMPY_ROWS)
+    args = ["rl-with-sft-on-failures", *TINY, "--rloo.prompt-fn", "my_rows:sums", "--rloo.reward-fn", "my_rows:exact",
+            "--save-every", "2", "--output-dir", tmp_path / "run"]
+    first = run_script("interleave.py", *args, "--total-steps", "2", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    state = torch.load(tmp_path / "run" / "checkpoints" / "iter_000002" / "state.pt", weights_only=True)
+    assert state["failures"] and all(set(row) == {"prompt", "answer"} for row in state["failures"])
+    assert all(row["answer"] == str(eval(row["prompt"][:-1])) for row in state["failures"])  # the sum, as SFT reads it
+    resumed = run_script("interleave.py", *args, "--total-steps", "4", "--resume", "latest", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])["iteration"] == 4
+
+
 def test_learning_rates_default_by_model_and_are_logged(tmp_path, tiny_model_dir):
     for model, expected in [("builtin", {"sft": 1e-3, "rloo": 1e-3}), (tiny_model_dir, {"sft": 1e-5, "rloo": 3e-6})]:
         out = tmp_path / ("builtin" if model == "builtin" else "folder")

@@ -74,9 +74,19 @@ def test_reward_fns_may_return_none_and_numpy_numbers(module):
 
 
 @pytest.mark.parametrize("module", [ppo, rloo])
+def test_reward_fns_may_return_numpy_bools_and_0d_tensors(module):
+    """TRL builds a tensor from the list, so a function written for it may return numpy bools (a comparison of numpy
+    values) or 0-d tensors (a score computed with torch): both are taken, as the numbers they hold."""
+    scores = call(module, [reward_fn([np.bool_(True), torch.tensor(0.5), torch.tensor(2, dtype=torch.int64)]),
+                           reward_fn([np.bool_(False), torch.tensor(True), np.float32(1.0)])], [1.0, 2.0])
+    assert scores.tolist() == [1.0, 0.5 + 2.0, 2.0 + 2.0]
+
+
+@pytest.mark.parametrize("module", [ppo, rloo])
 def test_reward_fns_still_refuse_what_is_not_a_finite_number(module):
-    for bad, shown in [(math.nan, "nan"), (np.float32("inf"), r"np\.float32\(inf\)"), ("1.0", "'1.0'"),
-                       ([1.0], r"\[1.0\]"), (np.bool_(True), r"np\.True_")]:  # numpy bools are not numbers
+    for bad, shown in [(math.nan, "nan"), (np.float32("inf"), "inf"), ("1.0", "'1.0'"),
+                       ([1.0], r"\[1.0\]"), (torch.tensor([1.0]), r"tensor\(\[1\.\]\)"),
+                       (torch.tensor(float("nan")), "nan")]:
         with pytest.raises(SystemExit, match=rf"^error: --reward-fn 'my_rewards:f0': returned {shown} for completion"
                                              " 1; return a finite number"):
             call(module, [reward_fn([1.0, bad, 1.0])], [1.0])
@@ -87,6 +97,40 @@ def test_a_completion_no_function_scores_stops_the_run(module):
     with pytest.raises(SystemExit, match=r"^error: --reward-fn \['my_rewards:f0', 'my_rewards:f1'\]: every function "
                                          r"returned None for completion 2 \('3'\)"):
         call(module, [reward_fn([1.0, None, None]), reward_fn([None, 1.0, None])], [1.0, 1.0])
+
+
+# ---- a reward model reads chat prompts as it was trained: through its own chat template --------------------------
+
+
+@pytest.mark.parametrize("module", [ppo, rloo])
+def test_a_reward_model_reads_the_conversation_through_its_own_chat_template(module):
+    """With chat prompts, the reward model gets what TRL gives it: the prompt's messages and the completion as an
+    assistant message, rendered with the reward model's chat template, its markers kept (here '1=' before a user
+    turn, '2=' before an assistant one); with string prompts, the prompt's text and the completion's."""
+    tokenizer = module.build_tokenizer()
+    torch.manual_seed(0)
+    policy = module.build_tiny_model(tokenizer)
+    rm_tokenizer = module.build_tokenizer()
+    rm_tokenizer.chat_template = ("{% for m in messages %}{{ '1' if m['role'] == 'user' else '2' }}={{ m['content'] }}"
+                                  "\n{% endfor %}")
+    config = policy.config
+    config.num_labels = 1
+    reward_model = LlamaForSequenceClassification(config).eval()
+    seen = []
+    reward_model.register_forward_pre_hook(lambda m, args, kwargs: seen.append(kwargs["input_ids"]), with_kwargs=True)
+    task = module.Task(module.TaskArgs(reward_model="rm"), None, [], reward_model=reward_model,
+                       rm_tokenizer=rm_tokenizer)
+    _, greedy = module.generation_configs(module.GenArgs(max_new_tokens=4), tokenizer, 1.0)
+    for prompts in ([[{"role": "user", "content": "3+4="}], [{"role": "user", "content": "12+30="}]], ["5+5=", "1+2="]):
+        out = module.rollout(policy, tokenizer, [{"prompt": p} for p in prompts], greedy, [], task)
+        if isinstance(prompts[0], str):
+            expected = rm_tokenizer([p + t for p, t in zip(prompts, out["texts"])], padding=True, padding_side="right")
+        else:
+            chats = [rm_tokenizer.apply_chat_template([*p, {"role": "assistant", "content": t}], tokenize=False)
+                     for p, t in zip(prompts, out["texts"])]
+            assert chats[0].startswith("1=3+4=\n2=")
+            expected = rm_tokenizer(chats, add_special_tokens=False, padding=True, padding_side="right")
+        assert seen.pop().tolist() == expected.input_ids
 
 
 # ---- --trust-remote-code reaches the reward model and the PRM (item 8) ---------------------------------------------

@@ -58,6 +58,27 @@ def test_reference_logprobs_are_the_base_models_with_the_adapters_off():
         ppo.reference(frozen_base, None)
 
 
+def test_the_reference_under_compile_is_the_base_model():
+    """--compile wraps the models' forward in torch.compile (compile_models). The reference the steps take with LoRA,
+    the policy with its adapters off (a context that flips a flag in every adapter layer, which the compiled graph
+    must see), still gives the base model's logprobs, and the policy, after it, its adapters' logprobs again."""
+    tokenizer, policy, frozen_base, _ = lora_models()
+    queries, responses = batch(tokenizer, n=8)
+    with torch.no_grad():
+        base = logprobs(frozen_base, tokenizer, queries, responses)
+        adapted = logprobs(policy, tokenizer, queries, responses)
+    torch._dynamo.reset()
+    ppo.compile_models(True, [policy], [], torch.device("cpu"))
+    with torch.no_grad():
+        model, context = ppo.reference(policy, None)
+        with context:
+            reference = logprobs(model, tokenizer, queries, responses)
+        after = logprobs(policy, tokenizer, queries, responses)
+    assert (adapted - base).abs().max() > 1e-2  # the adapters change the policy
+    torch.testing.assert_close(reference, base, rtol=0, atol=1e-5)
+    torch.testing.assert_close(after, adapted, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("algo", ["ppo", "rloo"])
 def test_a_step_with_no_reference_copy_trains_only_the_adapters_and_the_head(algo):
     tokenizer, policy, _, value = lora_models()

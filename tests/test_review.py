@@ -89,7 +89,6 @@ def test_exactly_in_the_docs_is_said_only_where_it_holds():
                "exactly as TRL's trainers call them", "is exactly\n1", "all exactly equal", "exactly 1 on-policy",
                "first wrong step exactly", "tokenizes exactly as training", "found exactly",
                "exactly as the standalone", "exactly with one mini-batch", "exactly the packages",
-               "exactly the gradient of KL",
                "gradients exactly, summing", "reads exactly what training read",
                "state and resume exactly",  # LoRA checkpoints: test_lora.py's resume test (bit-identical weights)
                "optimizer states, and resume exactly"]  # interleave.py with LoRA: test_interleave_lora.py's

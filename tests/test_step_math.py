@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, 
 import interleave
 import ppo
 import rloo
+from conftest import ROOT
 
 
 def exact_kl_gradients(logits: torch.Tensor, ref_logits: torch.Tensor, params: list) -> dict[str, torch.Tensor]:
@@ -49,6 +50,44 @@ def test_kl_penalty_expected_gradient_over_a_small_vocabulary():
     assert relative_error(expected["k3"], exact["KL(ref||pi)"]) < 1e-5
     with pytest.raises(ValueError, match="k1, k2 or k3"):
         ppo.kl_penalty(logp, ref_logp, "k4")
+
+
+def test_k2_summed_over_a_response_is_the_per_token_kl_gradient_not_the_responses_kl_gradient():
+    """Two-token responses over a 6-token vocabulary, every one of the 36 summed exactly: k2 summed over a response
+    has, in expectation under the policy, the gradient of each token's KL(pi || ref) at its sampled prefix, the prefix
+    held fixed, and not the gradient of the responses' KL(pi || ref). What it leaves out is exactly how the first
+    token's distribution moves the prefixes at which the second token's KL is taken."""
+    torch.manual_seed(0)
+    V = 6
+    theta1, theta2 = (2 * torch.randn(V)).requires_grad_(), (2 * torch.randn(V, V)).requires_grad_()  # the policy:
+    ref1, ref2 = 2 * torch.randn(V), 2 * torch.randn(V, V)  # first token's logits [V], second's given the first [V, V]
+    logp1, logp2 = theta1.log_softmax(-1), theta2.log_softmax(-1)
+    ref_logp1, ref_logp2 = ref1.log_softmax(-1), ref2.log_softmax(-1)
+    joint = logp1.exp()[:, None] * logp2.exp()  # [V, V]: pi(y1, y2)
+
+    def grad(x: torch.Tensor) -> torch.Tensor:
+        grads = torch.autograd.grad(x, [theta1, theta2], retain_graph=True, materialize_grads=True)
+        return torch.cat([g.flatten() for g in grads])
+
+    k2 = ppo.kl_penalty(logp1, ref_logp1, "k2")[:, None] + ppo.kl_penalty(logp2, ref_logp2, "k2")  # [V, V], summed
+    expected_k2 = grad((joint.detach() * k2).sum())  # no gradient through the sampling
+    kl_first = (logp1.exp() * (logp1 - ref_logp1)).sum()
+    kl_second = (logp2.exp() * (logp2 - ref_logp2)).sum(-1)  # [V]: the second token's KL after each first token
+    per_token = grad(kl_first + (logp1.exp().detach() * kl_second).sum())  # each at its sampled prefix, held fixed
+    responses = grad((joint * (logp1[:, None] + logp2 - ref_logp1[:, None] - ref_logp2)).sum())  # KL of (y1, y2)
+    moved_prefixes = grad((logp1.exp() * kl_second.detach()).sum())
+    assert relative_error(expected_k2, per_token) < 1e-5
+    assert relative_error(per_token + moved_prefixes, responses) < 1e-5
+    assert relative_error(expected_k2, responses) > 0.05  # 0.20 here
+
+
+def test_k2_is_called_the_kl_gradient_only_token_by_token():
+    """What the scripts and the pages say of k2 in the loss is the statement tested above: per token, at the sampled
+    prefix; never "exactly the gradient of KL", which holds for one-token responses only."""
+    for path in [ROOT / "ppo.py", ROOT / "rloo.py", ROOT / "interleave.py", ROOT / "README.md",
+                 *(ROOT / "docs").glob("*.md")]:
+        assert "exactly the gradient of KL" not in path.read_text(), path.name
+    assert "token by token" in ppo.kl_penalty.__doc__ and "T > 1 tokens" in ppo.kl_penalty.__doc__
 
 
 def scaled_tiny_model(tokenizer, seed: int, scale: float) -> torch.nn.Module:
