@@ -124,7 +124,7 @@ def our_command(algo: str, iterations: int, art: Path, dtype: str, compile_: boo
     """Our script's arguments on the benchmark settings (plus `extra` flags), and the folder it writes to."""
     out = Path(f"/tmp/bench_ours_{algo}")
     common = ["--output-dir", str(out), "--learning-rate", "3e-6" if algo != "prm" else "1e-5", "--dtype", dtype]
-    common += ["--compile"] if compile_ else []
+    common += ["--compile"] if compile_ and algo != "prm" else []  # stepwise_prm.py takes no --compile
     rl = ["--model", art / "policy", "--reward-model", art / "reward", "--dataset", art / "prompts.jsonl",
           "--batch-size", "32", "--forward-batch-size", "32", "--max-new-tokens", "32", "--min-new-tokens", "32",
           "--temperature", "1.0", "--total-episodes", str(32 * iterations), "--eval-every", "100000",
