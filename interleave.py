@@ -267,6 +267,7 @@ def main(args: Args) -> None:
     rank, world, device = ppo.setup_distributed()
     rl = [p for p in args.phases if p in ("ppo", "rloo")]
     args.gen.max_new_tokens = args.gen.max_new_tokens or (4 if builtin else 64)
+    args.rloo.hp.max_completion_length = args.rloo.hp.max_completion_length or args.gen.max_new_tokens
     if args.resume and args.resume != "latest" and args.output_dir is None:
         args.output_dir = str(Path(args.resume).parent.parent)
     run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
@@ -325,7 +326,9 @@ def main(args: Args) -> None:
         start, elapsed, sched, failures = state["step"] + 1, state["elapsed"], state["schedule"], state["failures"]
         data, recent, run_name = state["data"], state["recent"], state["run_name"]
     metrics_path, run = ppo.open_run(args, output_dir, start, run_name) if rank == 0 else (None, None)
-    samplers = {p: ppo.generation_configs(args.gen, tokenizer, getattr(args, p).hp.temperature)[0] for p in rl}
+    hps = {p: getattr(args, p).hp for p in rl}
+    samplers = {p: ppo.generation_configs(args.gen, tokenizer, hp.temperature, hp.top_k, hp.top_p, hp.min_p)[0]
+                for p, hp in hps.items()}
     greedy = ppo.generation_configs(args.gen, tokenizer, 1.0)[1]
 
     def evaluate() -> tuple[dict, list]:
@@ -434,13 +437,15 @@ def rl_phase_step(args: Args, phase: str, models: dict, ref_policy, optimizer, t
                   for i in range(len(rows)) if out["scores"][i] < task.args.success_threshold}
         failures.extend(failed.values())
         del failures[:-1024]
-    common = {"hp": cfg.hp, "pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
+    common = {"hp": cfg.hp, "pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id,
+              "sampler_logprobs": out["sampler_logprobs"]}
     if phase == "ppo":  # a PRM's step scores go in per token, as in ppo.py, or per response, as in rloo.py
         rewards = ppo.token_rewards(out["scores"], out["masks"], out["process"], cfg.task.prm_weight)
         return ppo_step(policy, models["value"], ref_policy, optimizer, out["queries"], out["responses"], rewards,
                         out["masks"], **common)
     rewards = sequence_rewards(out["scores"], out["process"], cfg.hp.prm_aggregate, cfg.task.prm_weight)
-    return rloo_step(policy, ref_policy, optimizer, out["queries"], out["responses"], rewards, out["masks"], **common)
+    return rloo_step(policy, ref_policy, optimizer, out["queries"], out["responses"], rewards, out["masks"],
+                     ended=out["ended"], **common)
 
 
 def prm_phase_step(args: Args, prm, optimizer, tokenizer, examples: list[dict], step: int, rank: int,

@@ -66,6 +66,15 @@ class PPOHParams:
     """per-token KL in the reward: k1 = logp - ref_logp, or k3 = exp(r) - 1 - r with r = ref_logp - logp (>= 0)"""
     temperature: float = 1.0
     """sampling temperature; the logprobs are computed from logits divided by it"""
+    top_k: int = 0
+    """sample among the k most likely tokens (0: off); the update's logprobs use the same support (on-policy)"""
+    top_p: float = 1.0
+    """nucleus sampling (1.0: off); the update's logprobs use the same support (on-policy)"""
+    min_p: float = 0.0
+    """drop tokens below min_p times the top probability (0: off); the update's logprobs use the same support"""
+    sampler_correction_cap: float | None = None
+    """weight each token's policy-gradient loss by min(exp(old_logp - sampler_logp), cap): truncated importance
+    sampling for what differs between the sampler's and the trainer's logprobs (TRL's token_truncate; None: off)"""
     cliprange: float = 0.2
     """PPO clip range of the policy ratio"""
     cliprange_value: float = 0.2
@@ -144,6 +153,9 @@ class Args:
     ppo: Annotated[PPOHParams, tyro.conf.OmitArgPrefixes] = field(default_factory=PPOHParams)
 
 
+RECIPES: dict[str, tuple] = {}  # named configurations (rloo.py has the GRPO family); none for PPO
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # The algorithm: PPO's math on tensors (small pure functions), then one update, ppo_step
 
@@ -195,38 +207,61 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
     raise ValueError(f"unknown KL estimator {estimator!r}: use k1, k2 or k3")
 
 
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, support: tuple = (0, 1.0, 0.0),
+                   with_entropy: bool = False, entropy_grad: bool = False) -> tuple:
+    """Logprobs [B, T] of tokens [B, T] under logits [B, T, V] as the sampler drew them: divided by the temperature
+    and, with support = (top_k, top_p, min_p) set, renormalised over the tokens those filters keep (filter_logits;
+    each sampled token stays inside), so that filtered sampling is on-policy; and the entropy [B, T] of that
+    distribution, differentiable only if entropy_grad. The logprob is the gathered logit minus the logsumexp: no
+    [B, T, V] log-softmax is kept."""
+    logits = logits.float() / temperature  # [B, T, V]
+    if tuple(support) != (0, 1.0, 0.0):
+        logits = filter_logits(logits, *support, keep=tokens)
+    lse = logits.logsumexp(-1)  # [B, T]
+    logprobs = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse
+    if not with_entropy:
+        return logprobs, None
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        kept = logits.masked_fill(logits == -float("inf"), 0.0)  # filtered tokens: probability 0, no term
+        return logprobs, lse - (logits.softmax(-1) * kept).sum(-1)
+
+
+def sampler_metrics(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor) -> dict:
+    """The sampler's logprobs [B, T] of the trained tokens (mask [B, T]) against the trainer's old ones, as TRL logs
+    them: |old - sampler|'s mean and max, and the importance ratio exp(old - sampler)'s min, mean and max. Float
+    noise with the same weights: the decode loop's one-token forwards round differently from the update's
+    whole-sequence forward, more so in bf16."""
+    diff = (old_logprobs - sampler_logprobs)[mask] if mask.any() else torch.zeros(1, device=mask.device)  # [N]
+    ratio = diff.exp()
+    return {"sampling/sampling_logp_difference/mean": diff.abs().mean().item(),
+            "sampling/sampling_logp_difference/max": diff.abs().max().item(),
+            **{f"sampling/importance_sampling_ratio/{f}": getattr(ratio, f)().item() for f in ("min", "mean", "max")}}
+
+
 def gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimation backwards over T; rewards and values are 0 on padding. Returns
-    advantages and returns, both [B, T]."""
-    T = rewards.shape[1]
+    """Generalised advantage estimation backwards over T (rewards, values: 0 on padding); advantages, returns [B, T]."""
+    next_values = torch.nn.functional.pad(values[:, 1:], (0, 1))  # [B, T]: 0 after the last token
     advantages, last = torch.zeros_like(rewards), torch.zeros_like(rewards[:, 0])
-    for t in reversed(range(T)):
-        next_value = values[:, t + 1] if t + 1 < T else torch.zeros_like(last)
-        delta = rewards[:, t] + gamma * next_value - values[:, t]
+    for t in reversed(range(rewards.shape[1])):
+        delta = rewards[:, t] + gamma * next_values[:, t] - values[:, t]
         last = delta + gamma * lam * last
         advantages[:, t] = last
     return advantages, advantages + values
 
 
 def response_logprobs(policy, input_ids, attention_mask, responses: torch.Tensor, temperature: float,
-                      with_entropy: bool = False, entropy_grad: bool = False) -> tuple:
-    """Logprobs of the response tokens [B, T] (and entropy [B, T], differentiable only if entropy_grad) from logits
-    at response positions only; the logprob is gathered minus logsumexp, so no full log-softmax is kept."""
-    T = responses.shape[1]
+                      support: tuple = (0, 1.0, 0.0), with_entropy: bool = False, entropy_grad: bool = False) -> tuple:
+    """token_logprobs' logprobs [B, T] and entropy [B, T] of the response tokens, from logits at response positions
+    only; support (top_k, top_p, min_p) as the sampler's."""
     logits = policy(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask),
-                    logits_to_keep=T + 1).logits[:, :-1].float() / temperature  # [B, T, V]
-    lse = logits.logsumexp(-1)
-    logprobs = logits.gather(-1, responses.unsqueeze(-1)).squeeze(-1) - lse
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        entropy = lse - (logits.softmax(-1) * logits).sum(-1) if with_entropy else None
-    return logprobs, entropy
+                    logits_to_keep=responses.shape[1] + 1).logits[:, :-1]  # [B, T, V]
+    return token_logprobs(logits, responses, temperature, support, with_entropy, entropy_grad)
 
 
 def response_values(value_model, input_ids, attention_mask, T: int) -> torch.Tensor:
     """Value of the state before each response token; [B, T]."""
-    out = value_model(input_ids=input_ids, attention_mask=attention_mask,
-                      position_ids=position_ids_from(attention_mask)).logits  # [B, L, 1]
-    return out[:, -T - 1:-1, 0].float()
+    return value_model(input_ids=input_ids, attention_mask=attention_mask,
+                       position_ids=position_ids_from(attention_mask)).logits[:, -T - 1:-1, 0].float()  # [B, T]
 
 
 def step_rewards(steps: list[tuple[int, float]], weight: float) -> list[tuple[int, float]]:
@@ -260,7 +295,7 @@ def token_rewards(scores: torch.Tensor, masks: torch.Tensor, process: list | Non
 
 def ppo_step(policy, value_model, ref_policy, optimizer, queries: torch.Tensor, responses: torch.Tensor,
              rewards: torch.Tensor, masks: torch.Tensor | None = None, *, hp: PPOHParams, pad_token_id: int,
-             eos_token_id: int | None = None) -> dict[str, float]:
+             eos_token_id: int | None = None, sampler_logprobs: torch.Tensor | None = None) -> dict[str, float]:
     """One PPO update on a batch of finished episodes.
 
     queries [B, Lq] left-padded prompt ids; responses [B, T] right-padded response ids; rewards [B] (one score per
@@ -268,9 +303,9 @@ def ppo_step(policy, value_model, ref_policy, optimizer, queries: torch.Tensor, 
     be trained on (tool output: no gradient, no KL). A response ends after its first eos_token_id (pass None when
     EOS may appear inside an episode) and before its trailing pad tokens and its trailing mask-0 tokens: an episode
     that ends with tool output loses that output from the value loss too, and a [B, T] reward placed past the end
-    counts on the response's last token. ref_policy None means the policy with its LoRA adapters off (peft). The
-    models must not apply dropout (a ValueError: call disable_dropout(model) or model.eval() first), or the
-    rollout's and the update's forward passes would differ. Returns metrics."""
+    counts on the response's last token. sampler_logprobs [B, T] (optional): the sampler's logprob of each token,
+    logged against the trainer's and used by hp.sampler_correction_cap. ref_policy None means the policy with its
+    LoRA adapters off (peft). The models must not apply dropout (a ValueError from refuse_dropout)."""
     B, T = responses.shape
     micro = B // (hp.num_mini_batches * hp.gradient_accumulation_steps)
     if micro * hp.num_mini_batches * hp.gradient_accumulation_steps != B:
@@ -279,6 +314,7 @@ def ppo_step(policy, value_model, ref_policy, optimizer, queries: torch.Tensor, 
     refuse_dropout(policy=policy, value_model=value_model, ref_policy=ref_policy)
     device = next(policy.parameters()).device
     queries, responses, rewards = queries.to(device), responses.to(device), rewards.to(device).float()
+    support = (hp.top_k, hp.top_p, hp.min_p)  # the sampler's filters: the policy's logprobs use them, not the KL's ref
 
     # 1. Masks: `valid` is the response itself (padding excluded), `train` the valid tokens not masked out.
     valid = response_valid_mask(responses, pad_token_id, eos_token_id, None if masks is None else masks.to(device))
@@ -290,11 +326,14 @@ def ppo_step(policy, value_model, ref_policy, optimizer, queries: torch.Tensor, 
     # 2. Rollout forward passes: reference logprobs without gradients, in chunks; the policy's old logprobs and
     # the old values the same way, unless the update is one mini-batch without accumulation: then the first
     # epoch's forward pass (with gradients) is the rollout's, and it is kept rather than done twice.
-    fused = hp.num_mini_batches == 1 and hp.gradient_accumulation_steps == 1
-    if fused:
+    def forward(i) -> tuple:  # the update's forward pass, with gradients: logprobs, entropy and values of rows i
         with autocast(hp.dtype, device):
-            first = (*response_logprobs(policy, input_ids, attention_mask, responses, hp.temperature, True,
-                                        hp.ent_coef > 0), response_values(value_model, input_ids, attention_mask, T))
+            logprobs, entropy = response_logprobs(policy, input_ids[i], attention_mask[i], responses[i], hp.temperature,
+                                                  support, True, hp.ent_coef > 0)
+            return logprobs, entropy, response_values(value_model, input_ids[i], attention_mask[i], T)
+
+    fused = hp.num_mini_batches == 1 and hp.gradient_accumulation_steps == 1
+    first = forward(slice(None)) if fused else None  # [B, T] each
     with torch.no_grad(), autocast(hp.dtype, device):
         chunks = [slice(i, i + hp.forward_batch_size) for i in range(0, B, hp.forward_batch_size)]
         ref_model, ref_context = reference(policy, ref_policy)  # ref_policy None: the policy, adapters off
@@ -305,7 +344,7 @@ def ppo_step(policy, value_model, ref_policy, optimizer, queries: torch.Tensor, 
             old_logprobs, old_values = first[0].detach(), first[2].detach() * valid
         else:
             old_logprobs = torch.cat([response_logprobs(policy, input_ids[c], attention_mask[c], responses[c],
-                                                        hp.temperature)[0] for c in chunks])
+                                                        hp.temperature, support)[0] for c in chunks])
             old_values = torch.cat([response_values(value_model, input_ids[c], attention_mask[c], T)
                                     for c in chunks]) * valid
 
@@ -313,14 +352,11 @@ def ppo_step(policy, value_model, ref_policy, optimizer, queries: torch.Tensor, 
         kl = kl_penalty(old_logprobs, ref_logprobs, hp.kl_estimator) * train  # [B, T]
         non_score = -hp.kl_coef * kl
         last = (valid.sum(1) - 1).clamp(min=0)  # [B] index of the last response token
-        if rewards.dim() == 1:
-            scores = rewards
-            per_token = non_score.clone()
-            per_token[torch.arange(B, device=device), last] += rewards
-        else:  # rewards on padding (past the response's end) move to its last token: no reward is dropped
-            scores = rewards.sum(1)
-            per_token = non_score + rewards * valid
-            per_token[torch.arange(B, device=device), last] += (rewards * ~valid).sum(1)
+        if rewards.dim() == 1:  # one score per response: on its last token
+            rewards = torch.zeros_like(kl).index_put((torch.arange(B, device=device), last), rewards)
+        scores = rewards.sum(1)  # [B]
+        per_token = non_score + rewards * valid  # rewards on padding (past the response's end) move to its last token
+        per_token[torch.arange(B, device=device), last] += (rewards * ~valid).sum(1)  # no reward is dropped
         if hp.whiten_rewards:
             per_token = masked_whiten(per_token, valid, shift_mean=False) * valid
 
@@ -331,24 +367,16 @@ def ppo_step(policy, value_model, ref_policy, optimizer, queries: torch.Tensor, 
     # 5. PPO epochs over shuffled mini-batches; losses are token sums divided by the mini-batch's token count over
     # all processes, so gradient accumulation and data parallelism give the gradient of the whole mini-batch.
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    stats = {k: [] for k in ("pg_loss", "vf_loss", "approxkl", "clipfrac", "vf_clipfrac", "entropy", "ratio")}
+    stats = {key: [] for key in ("policy/approxkl_avg", "policy/clipfrac_avg", "policy/entropy_avg", "loss/policy_avg",
+                                 "loss/value_avg", "val/clipfrac_avg", "val/ratio")}  # one value per micro-batch
     mini, skipped = B // hp.num_mini_batches, 0
     for epoch in range(hp.num_ppo_epochs):
-        order = torch.randperm(B, device=device)
-        for start in range(0, B, mini):
-            mb = order[start:start + mini]
+        for mb in torch.randperm(B, device=device).split(mini):  # shuffled mini-batches
             n_train = global_sum(train[mb].sum().float()).clamp(min=1) / world_size()
             n_valid = global_sum(valid[mb].sum().float()).clamp(min=1) / world_size()
             bad = torch.zeros((), device=device)
-            for m in range(0, mini, micro):
-                i = mb[m:m + micro]
-                if fused and epoch == 0:
-                    new_logprobs, entropy, new_values = (x[i] for x in first)
-                else:
-                    with autocast(hp.dtype, device):
-                        new_logprobs, entropy = response_logprobs(policy, input_ids[i], attention_mask[i], responses[i],
-                                                                  hp.temperature, True, hp.ent_coef > 0)
-                        new_values = response_values(value_model, input_ids[i], attention_mask[i], T)
+            for i in mb.split(micro):
+                new_logprobs, entropy, new_values = (x[i] for x in first) if fused and epoch == 0 else forward(i)
                 v_clipped = old_values[i] + (new_values - old_values[i]).clamp(-hp.cliprange_value, hp.cliprange_value)
                 vf_unclipped, vf_clipped = (new_values - returns[i]) ** 2, (v_clipped - returns[i]) ** 2
                 vf_losses = torch.max(vf_unclipped, vf_clipped)
@@ -357,8 +385,10 @@ def ppo_step(policy, value_model, ref_policy, optimizer, queries: torch.Tensor, 
                 ratio = log_ratio.exp()
                 pg_losses = torch.max(-advantages[i] * ratio,
                                       -advantages[i] * ratio.clamp(1 - hp.cliprange, 1 + hp.cliprange))
-                pg_loss = (pg_losses * train[i]).sum() / n_train
-                loss = pg_loss + hp.vf_coef * vf_loss
+                if hp.sampler_correction_cap is not None and sampler_logprobs is not None:
+                    weight = (old_logprobs[i] - sampler_logprobs.to(device)[i]).exp()  # [b, T], truncated at the cap
+                    pg_losses = pg_losses * weight.clamp(max=hp.sampler_correction_cap)
+                loss = (pg_losses * train[i]).sum() / n_train + hp.vf_coef * vf_loss
                 if hp.ent_coef > 0:
                     loss = loss - hp.ent_coef * (entropy * train[i]).sum() / n_train
                 loss.backward()  # even when not finite: every process runs the same collectives
@@ -367,45 +397,34 @@ def ppo_step(policy, value_model, ref_policy, optimizer, queries: torch.Tensor, 
                     continue
                 with torch.no_grad():
                     t, v = train[i], valid[i]
-                    stats["pg_loss"].append(masked_mean(pg_losses, t))
-                    stats["vf_loss"].append(0.5 * masked_mean(vf_losses, v))
-                    stats["approxkl"].append(0.5 * masked_mean(log_ratio ** 2, t))
-                    stats["clipfrac"].append(masked_mean(((ratio - 1).abs() > hp.cliprange).float(), t))
-                    stats["vf_clipfrac"].append(masked_mean((vf_clipped > vf_unclipped).float(), v))
-                    stats["entropy"].append(masked_mean(entropy, t))
-                    stats["ratio"].append(masked_mean(ratio, t))
+                    stats["loss/policy_avg"].append(masked_mean(pg_losses, t))
+                    stats["loss/value_avg"].append(0.5 * masked_mean(vf_losses, v))
+                    stats["policy/approxkl_avg"].append(0.5 * masked_mean(log_ratio ** 2, t))
+                    stats["policy/clipfrac_avg"].append(masked_mean(((ratio - 1).abs() > hp.cliprange).float(), t))
+                    stats["val/clipfrac_avg"].append(masked_mean((vf_clipped > vf_unclipped).float(), v))
+                    stats["policy/entropy_avg"].append(masked_mean(entropy, t))
+                    stats["val/ratio"].append(masked_mean(ratio, t))
             if not step_or_skip(optimizer, params, global_sum(bad) > 0, hp.max_grad_norm, hp.skip_nonfinite):
                 skipped += 1
 
     # 6. Metrics (means over this process's batch; the caller averages them over processes).
-    ratios = torch.stack(stats["ratio"]) if stats["ratio"] else torch.full((1,), float("nan"))
-    mean = {key: torch.stack(values).mean().item() if values else float("nan") for key, values in stats.items()}
-    eos = torch.zeros(B, dtype=torch.bool, device=device)  # [B] responses that end with EOS
-    if eos_token_id is not None:
-        eos = (responses.gather(1, last[:, None])[:, 0] == eos_token_id) & valid.any(1)
+    eos = (responses == eos_token_id) & valid if eos_token_id is not None else torch.zeros_like(valid)  # [B, T]
     return {
         "objective/kl": kl.sum(1).mean().item(),
         "objective/entropy": (-old_logprobs * train).sum(1).mean().item(),
         "objective/non_score_reward": non_score.sum(1).mean().item(),
         "objective/rlhf_reward": (scores + non_score.sum(1)).mean().item(),
         "objective/scores": scores.mean().item(),
-        "policy/approxkl_avg": mean["approxkl"],
-        "policy/clipfrac_avg": mean["clipfrac"],
-        "policy/entropy_avg": mean["entropy"],
-        "loss/policy_avg": mean["pg_loss"],
-        "loss/value_avg": mean["vf_loss"],
-        "val/clipfrac_avg": mean["vf_clipfrac"],
-        "val/ratio": ratios.mean().item(),
-        "val/ratio_var": ratios.var().item() if len(ratios) > 1 else 0.0,
+        **{key: torch.stack(values).mean().item() if values else float("nan") for key, values in stats.items()},
+        "val/ratio_var": torch.stack(stats["val/ratio"]).var().item() if len(stats["val/ratio"]) > 1 else 0.0,
         "val/num_eos_tokens": eos.sum().item(),
         "val/response_length": valid.sum(1).float().mean().item(),
         "loss/nonfinite_skipped": float(skipped),
+        **({} if sampler_logprobs is None else sampler_metrics(old_logprobs, sampler_logprobs.to(device), train)),
     }
 
 
 # The loop. It calls the machinery below the marker: Python looks a name up when the call runs, so that is fine.
-
-
 def main(args: Args) -> None:
     hp, gen = args.ppo, args.gen
     # ---- check the configuration before anything is loaded
@@ -431,7 +450,6 @@ def main(args: Args) -> None:
     value_model.config.pad_token_id = tokenizer.pad_token_id
     policy, value_model = with_lora(policy, args.memory), with_lora(value_model, args.memory)
     task = load_task(args.task, tokenizer, model_context(policy), gen.max_new_tokens, args.trust_remote_code, world)
-    models = {"policy": policy, "value": value_model}
     if ckpt is not None:
         load_weights(policy, ckpt / "policy", AutoModelForCausalLM)
         load_weights(value_model, ckpt / "value", AutoModelForTokenClassification)
@@ -439,9 +457,8 @@ def main(args: Args) -> None:
     lr = args.learning_rate or (1e-3 if args.model == "builtin" else 3e-6)
     optimizer = torch.optim.AdamW(trainable(policy, value_model), lr=lr, eps=1e-5)
 
-    state = resume_state(ckpt, optimizer, args.seed, rank, run_name)
-    start = state["iteration"] + 1
-    sample, greedy = generation_configs(gen, tokenizer, hp.temperature)
+    state, start = resume_state(ckpt, optimizer, args.seed, rank, run_name)
+    sample, greedy = generation_configs(gen, tokenizer, hp.temperature, hp.top_k, hp.top_p, hp.min_p)
     compile_models(args.compile, [policy, ref_policy, value_model], [sample, greedy], device)
     metrics_path, run = open_run(args, output_dir, start, state["run_name"]) if rank == 0 else (None, None)
     if start == 1:
@@ -464,12 +481,11 @@ def main(args: Args) -> None:
         try:
             metrics = ppo_step(policy, value_model, ref_policy, optimizer, out["queries"], out["responses"], rewards,
                                out["masks"], hp=hp, pad_token_id=tokenizer.pad_token_id,
-                               eos_token_id=tokenizer.eos_token_id)
+                               eos_token_id=tokenizer.eos_token_id, sampler_logprobs=out["sampler_logprobs"])
         except FloatingPointError as e:
             fail("--skip-nonfinite", False, f"{e} at iteration {iteration}: the run stops here, its last good "
                  "checkpoint kept; lower --learning-rate, check the rewards, or pass --skip-nonfinite")
-        # 10. Log: metrics averaged over processes (counts summed), one row per iteration; greedy evaluation every
-        # --eval-every.
+        # 10. Log: metrics averaged over processes (counts summed), a row per iteration; evaluation every --eval-every.
         if out["process"] is not None:
             step_minima = [min((p for _, p in steps), default=0) for steps in out["process"]]
             metrics["objective/prm_min_step_score"] = sum(step_minima) / len(rows)
@@ -488,8 +504,8 @@ def main(args: Args) -> None:
         # 11. Checkpoint: models, optimizer, random states and prompt position, written whole or not at all.
         if args.save_every and iteration % args.save_every == 0:
             state.update(iteration=iteration, elapsed=time.time() - t0)
-            save_state(output_dir / "checkpoints" / f"iter_{iteration:06d}", models, tokenizer, optimizer, state,
-                       args.keep_checkpoints, rank, world)
+            save_state(output_dir / "checkpoints" / f"iter_{iteration:06d}", {"policy": policy, "value": value_model},
+                       tokenizer, optimizer, state, args.keep_checkpoints, rank, world)
     finish_run(policy, tokenizer, output_dir, metrics_path, run, rank)
 
 
@@ -539,13 +555,9 @@ def addition_eval_rows() -> list[dict]:
 def addition_reward(prompts, completions, completion_ids, answer, tokenizer, **kwargs) -> list[float]:
     """1.0 for the exact answer followed by EOS; else partial credit: 0.5 x the fraction of the answer's digits in
     place. From random init a 0/1 reward gives almost no signal; this one learns (see docs/ppo.md)."""
-    scores = []
-    for text, ids, ans in zip(completions, completion_ids, answer):
-        if list(ids) == tokenizer(ans, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]:
-            scores.append(1.0)
-        else:
-            scores.append(0.5 * sum(c == a for c, a in zip(text, ans)) / len(ans))
-    return scores
+    return [1.0 if list(ids) == tokenizer(ans, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+            else 0.5 * sum(c == a for c, a in zip(text, ans)) / len(ans)
+            for text, ids, ans in zip(completions, completion_ids, answer)]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -554,19 +566,13 @@ def addition_reward(prompts, completions, completion_ids, answer, tokenizer, **k
 
 @dataclass
 class GenArgs:
-    """Generation settings (sampling temperature lives with the algorithm's hyperparameters)."""
+    """Generation settings (temperature, top-k, top-p and min-p are the algorithm's: the update's logprobs use them)."""
 
     max_new_tokens: int | None = None
     """most tokens per response (None: 4 for the built-in task, 64 otherwise)"""
     min_new_tokens: int = 0
-    """fewest tokens per response: EOS cannot end it sooner (off-policy, like the four filters below: it changes
-    what is sampled, while the update's logprobs are the plain temperature softmax's)"""
-    top_k: int = 0
-    """sample among the k most likely tokens (0: off; off-policy, see --min-new-tokens)"""
-    top_p: float = 1.0
-    """nucleus sampling (1.0: off; off-policy, see --min-new-tokens)"""
-    min_p: float = 0.0
-    """drop tokens below min_p times the top probability (0: off; off-policy, see --min-new-tokens)"""
+    """fewest tokens per response: EOS cannot end it sooner (off-policy, like --repetition-penalty: it changes what
+    is sampled, while the update's logprobs do not see it)"""
     repetition_penalty: float = 1.0
     """repetition penalty (1.0: off; off-policy, see --min-new-tokens)"""
     stop_strings: list[str] = field(default_factory=list)
@@ -678,8 +684,7 @@ def load_policy(name: str, trust_remote_code: bool) -> tuple:
     # fp32 weights whatever the checkpoint's dtype: in bf16, most of AdamW's small steps would round away
     policy = load_pretrained(AutoModelForCausalLM, name, "--model", trust_remote_code, dtype=torch.float32)
     tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     policy.config.pad_token_id = tokenizer.pad_token_id
     return tokenizer, fp32_output_layer(policy)
 
@@ -840,9 +845,8 @@ def load_task(task: TaskArgs, tokenizer, context: int, max_new_tokens: int, trus
         eval_rows = [evals[i] for i in range(min(task.num_eval_prompts, len(evals)))]
         longest = max(len(render_prompt(tokenizer, p)) for p in source["prompt"])
         if longest + max_new_tokens > context:
-            fail("--dataset", task.dataset, f"its longest prompt ({longest} tokens) plus --max-new-tokens exceeds "
-                                            f"the model's context of {context}; filter the prompts or lower "
-                                            "--max-new-tokens")
+            fail("--dataset", task.dataset, f"its longest prompt ({longest} tokens) plus --max-new-tokens exceeds the "
+                 f"model's context of {context}; filter the prompts or lower --max-new-tokens")
     elif task.prompt_fn:
         source = load_callable(task.prompt_fn, "--prompt-fn")
         eval_rng = random.Random(0)  # the same evaluation prompts for every seed
@@ -913,35 +917,54 @@ def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.cumsum(1) - 1).clamp(min=0)
 
 
-def generation_configs(gen: GenArgs, tokenizer, temperature: float) -> tuple[GenerationConfig, GenerationConfig]:
-    """The sampling configuration for rollouts and the greedy one for evaluation; the off-policy note, once, when a
-    sampling filter is set."""
+def generation_configs(gen: GenArgs, tokenizer, temperature: float, top_k: int = 0, top_p: float = 1.0,
+                       min_p: float = 0.0) -> tuple[GenerationConfig, GenerationConfig]:
+    """The sampling configuration for rollouts and the greedy one for evaluation; the off-policy note, once, when
+    --min-new-tokens or --repetition-penalty is set."""
     if off_policy_note(gen) and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
         print_once(off_policy_note(gen))
     common = dict(max_new_tokens=gen.max_new_tokens, min_new_tokens=gen.min_new_tokens or None,
                   pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    sample = GenerationConfig(do_sample=True, temperature=temperature, top_k=gen.top_k, top_p=gen.top_p,
-                              min_p=gen.min_p or None, repetition_penalty=gen.repetition_penalty, **common)
+    sample = GenerationConfig(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p or None,
+                              repetition_penalty=gen.repetition_penalty, **common)
     return sample, GenerationConfig(do_sample=False, **common)
 
 
 def off_policy_note(gen: GenArgs) -> str:
-    """One line naming the sampling filters that are set, or "" when none is: they change what is sampled, while
-    the update's old and new logprobs come from the plain temperature softmax (TRL's PPO trainer fixes top_k=0,
-    top_p=1.0 for this reason)."""
-    defaults = GenArgs()
-    flags = [f"--{name.replace('_', '-')} {getattr(gen, name)}" for name in
-             ("min_new_tokens", "top_k", "top_p", "min_p", "repetition_penalty")
-             if getattr(gen, name) != getattr(defaults, name)]
-    if not flags:
-        return ""
-    return (f"note: {', '.join(flags)} change what is sampled, but the update takes the samples as drawn from the "
-            "plain temperature softmax: it is off-policy, and its ratios do not correct for that")
+    """One line naming the settings that make the update off-policy, or "" when none is set: a repetition penalty
+    and a minimum length change what is sampled, but the update's logprobs do not see them. (Temperature, top-k,
+    top-p and min-p are exact: the update's logprobs use the same distribution, see token_logprobs.)"""
+    flags = [f"--{name.replace('_', '-')} {getattr(gen, name)}" for name, off in (("min_new_tokens", 0),
+             ("repetition_penalty", 1.0)) if getattr(gen, name) != off]
+    return (f"note: {', '.join(flags)} change what is sampled, but the update's logprobs do not see them: it is "
+            "off-policy, and its ratios do not correct for that") if flags else ""
 
 
-def next_token(logits: torch.Tensor, seen: torch.Tensor, gen: GenerationConfig, step: int) -> torch.Tensor:
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float,
+                  keep: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [..., V] with -inf outside the support that top-k, then top-p, then min-p leave, as `generate` applies
+    them. keep [...]: token ids that stay inside whatever their logit (the update's sampled tokens: float noise
+    between the sampler's forward and the trainer's can move a token at the boundary)."""
+    drop = torch.zeros_like(logits, dtype=torch.bool)
+    if top_k:
+        drop |= logits < logits.topk(min(top_k, logits.shape[-1])).values[..., -1:]
+    if top_p < 1.0:
+        ascending, order = logits.masked_fill(drop, -float("inf")).sort(-1)  # drop the low tail of 1 - top_p mass
+        tail = ascending.softmax(-1).cumsum(-1) <= 1 - top_p
+        tail[..., -1] = False
+        drop |= tail.scatter(-1, order, tail)
+    if min_p:
+        probs = logits.masked_fill(drop, -float("inf")).softmax(-1)
+        drop |= probs < min_p * probs.max(-1, keepdim=True).values
+    if keep is not None:
+        drop.scatter_(-1, keep.unsqueeze(-1), False)
+    return logits.masked_fill(drop, -float("inf"))
+
+
+def next_token(logits: torch.Tensor, seen: torch.Tensor, gen: GenerationConfig, step: int) -> tuple:
     """Pick the next token [B] from logits [B, V] as `generate` does: repetition penalty over the ids seen [B, L], no
-    EOS before min_new_tokens, then greedy, or temperature, top-k, top-p and min-p before sampling."""
+    EOS before min_new_tokens, then greedy, or temperature, top-k, top-p and min-p before sampling. Returns the
+    tokens [B] and their logprobs [B] under the distribution they were drawn from (0 when greedy)."""
     logits = logits.float()
     if gen.repetition_penalty not in (None, 1.0):
         score = logits.gather(1, seen)
@@ -949,22 +972,13 @@ def next_token(logits: torch.Tensor, seen: torch.Tensor, gen: GenerationConfig, 
     if step < (gen.min_new_tokens or 0):
         logits[:, gen.eos_token_id] = -float("inf")
     if not gen.do_sample:
-        return logits.argmax(-1)
-    logits = logits / (gen.temperature or 1.0)
-    if gen.top_k:
-        kth = logits.topk(min(gen.top_k, logits.shape[-1])).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, -float("inf"))
-    if gen.top_p is not None and gen.top_p < 1.0:
-        sorted_logits, order = logits.sort(-1)  # ascending: drop the low tail holding 1 - top_p of the mass
-        drop = sorted_logits.softmax(-1).cumsum(-1) <= 1 - gen.top_p
-        drop[:, -1] = False
-        logits = logits.masked_fill(drop.scatter(1, order, drop), -float("inf"))
-    if gen.min_p:
-        probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < gen.min_p * probs.max(-1, keepdim=True).values, -float("inf"))
-    cdf = logits.softmax(-1).cumsum(-1)  # inverse-CDF sampling: the distribution of torch.multinomial, far cheaper
+        return logits.argmax(-1), torch.zeros(logits.shape[0], device=logits.device)
+    logits = filter_logits(logits / (gen.temperature or 1.0), gen.top_k or 0, gen.top_p or 1.0, gen.min_p or 0.0)
+    logprobs = logits.log_softmax(-1)  # [B, V]
+    cdf = logprobs.exp().cumsum(-1)  # inverse-CDF sampling: the distribution of torch.multinomial, far cheaper
     u = (1 - torch.rand(cdf.shape[0], 1, device=cdf.device)) * cdf[:, -1:]  # in (0, total]: never a token of p = 0
-    return torch.searchsorted(cdf, u)[:, 0]  # the first token whose cumulative probability reaches u
+    token = torch.searchsorted(cdf, u)[:, 0]  # the first token whose cumulative probability reaches u
+    return token, logprobs.gather(1, token[:, None])[:, 0]
 
 
 def cache_length(prompt_length: int, max_new_tokens: int) -> int:
@@ -1005,13 +1019,14 @@ def compiled_decode_step(mode: str) -> Callable:
 
 @torch.no_grad()
 def decode_loop(model, queries: torch.Tensor, attention_mask: torch.Tensor, gen: GenerationConfig,
-                stop: Callable | None = None) -> torch.Tensor:
-    """Responses [B, T] to left-padded queries [B, Lq], sampled as `generate` samples, in plain PyTorch around the
-    model's own forward: one forward over the prompts fills the key/value cache, then one token per step
-    (decode_step). Rows end at EOS (then pad) or when stop(new_ids [B, t]) says so; the loop ends when every row has
-    ended in every process. When gen.compile_config is set, the step is compiled and the cache is static, sized for
-    prompt and response, so that every step has the same shapes (one graph); eager, or when a layer keeps a sliding
-    window (said once), the cache grows a token per step and attention spans only the tokens so far."""
+                stop: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Responses [B, T] to left-padded queries [B, Lq], sampled as `generate` samples, and each token's logprob [B, T]
+    under the distribution it was drawn from (0 after a row ended), in plain PyTorch around the model's own forward:
+    one forward over the prompts fills the key/value cache, then one token per step (decode_step). Rows end at EOS
+    (then pad) or when stop(new_ids [B, t]) says so; the loop ends when every row has ended in every process. When
+    gen.compile_config is set, the step is compiled and the cache is static, sized for prompt and response, so that
+    every step has the same shapes (one graph); eager, or when a layer keeps a sliding window (said once), the cache
+    grows a token per step and attention spans only the tokens so far."""
     B, Lq = queries.shape
     T, compiled = gen.max_new_tokens, gen.compile_config is not None
     cache = static_cache(model, B, cache_length(Lq, T)) if compiled else DynamicCache(config=model.config)
@@ -1033,16 +1048,19 @@ def decode_loop(model, queries: torch.Tensor, attention_mask: torch.Tensor, gen:
     ids = torch.nn.functional.pad(queries, (0, T), value=gen.pad_token_id)  # [B, Lq + T]: prompts, then responses
     position = attention_mask.sum(1, keepdim=True)  # [B, 1]: each row's first new position
     done = torch.zeros(B, dtype=torch.bool, device=queries.device)
+    logprobs = torch.zeros(B, T, device=queries.device)  # [B, T]: the sampler's logprob of each token
     for t in range(T):
-        token = next_token(logits, ids[:, :Lq + t], gen, t).masked_fill(done, gen.pad_token_id)  # [B]
+        token, logprob = next_token(logits, ids[:, :Lq + t], gen, t)  # [B], [B]
+        token = token.masked_fill(done, gen.pad_token_id)
         ids[:, Lq + t] = token
+        logprobs[:, t] = logprob.masked_fill(done, 0.0)
         done |= token == gen.eos_token_id
         if stop is not None:
             done |= stop(ids[:, Lq:Lq + t + 1])
         if t == T - 1 or global_sum((~done).sum()) == 0:  # all processes step on until all are done (FSDP: each
             break  # forward gathers the weights from every process)
         logits = step(model, token[:, None], position + t, mask[:, :C if compiled else Lq + t + 1], cache)
-    return ids[:, Lq:Lq + t + 1]
+    return ids[:, Lq:Lq + t + 1], logprobs[:, :t + 1]
 
 
 def stop_check(tokenizer, stop_strings: list[str]) -> Callable:
@@ -1062,21 +1080,23 @@ def print_once(message: str) -> None:
 
 @torch.no_grad()
 def generate(policy, tokenizer, queries: torch.Tensor, gen: GenerationConfig, stop_strings: list[str]) -> tuple:
-    """Sample (or greedily decode) responses to left-padded queries; returns cut_responses' triple. A model whose
-    forward takes a key/value cache object (`cache`: transformers' own causal LMs) decodes through decode_loop; any
-    other through `generate` (said once), where all processes keep stepping until every one is done (synced_gpus)."""
+    """Sample (or greedily decode) responses to left-padded queries; returns cut_responses' triple and the sampler's
+    logprobs [B, T] (None from `generate`). A model whose forward takes a key/value cache
+    object (`cache`: transformers' own causal LMs) decodes through decode_loop; any other through `generate` (said
+    once), where all processes keep stepping until every one is done (synced_gpus)."""
     attention_mask = ((queries != tokenizer.pad_token_id).cumsum(1) > 0).long()  # left padding only
     Lq = queries.shape[1]
     stop = stop_check(tokenizer, stop_strings) if stop_strings else None
     model = policy.get_base_model() if isinstance(policy, peft.PeftModel) else policy
     if "cache" in inspect.signature(type(model).forward).parameters:
-        out = decode_loop(policy, queries, attention_mask, gen, stop)
+        out, logprobs = decode_loop(policy, queries, attention_mask, gen, stop)
     else:
         print_once(f"generation through model.generate: {type(model).__name__}'s forward takes no cache object")
         criteria = StoppingCriteriaList([lambda ids, scores, **kw: stop(ids[:, Lq:])]) if stop else None
         out = policy.generate(input_ids=queries, attention_mask=attention_mask, generation_config=gen,
                               stopping_criteria=criteria, synced_gpus=torch.distributed.is_initialized())[:, Lq:]
-    return cut_responses(tokenizer, out.cpu(), stop_strings)
+        logprobs = None
+    return *cut_responses(tokenizer, out.cpu(), stop_strings), None if logprobs is None else logprobs.cpu()
 
 
 def cut_responses(tokenizer, responses: torch.Tensor, stop_strings: list[str]) -> tuple:
@@ -1181,8 +1201,8 @@ def process_rewards(prm, prm_tokenizer, tokenizer, prompts: list, completion_ids
 
 def rollout(policy, tokenizer, rows: list[dict], gen: GenerationConfig, stop_strings: list[str], task: Task) -> dict:
     """Generate responses to prompt rows and score them. Returns queries [B, Lq], responses [B, T], masks [B, T]
-    (1 on response tokens), scores [B], ended [B], the prompts and completion texts, and with a PRM its step
-    scores: per response, (token index, p_correct) per step."""
+    (1 on response tokens), the sampler's logprobs [B, T] (or None), scores [B], ended [B], the prompts and
+    completion texts, and with a PRM its step scores: per response, (token index, p_correct) per step."""
     prompts = [r["prompt"] for r in rows]
     ids = [render_prompt(tokenizer, p) for p in prompts]
     if max(map(len, ids)) + gen.max_new_tokens > task.context:
@@ -1190,11 +1210,10 @@ def rollout(policy, tokenizer, rows: list[dict], gen: GenerationConfig, stop_str
              f"exceeds the model's context of {task.context}; shorten the prompts or lower --max-new-tokens")
     queries = left_pad(ids, tokenizer.pad_token_id)
     device = next(policy.parameters()).device
-    responses, lengths, ended = generate(policy, tokenizer, queries.to(device), gen, stop_strings)
+    responses, lengths, ended, sampler_logprobs = generate(policy, tokenizer, queries.to(device), gen, stop_strings)
     completion_ids = [row[:n] for row, n in zip(responses.tolist(), lengths.tolist())]
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-    chat = not isinstance(prompts[0], str)
-    completions = [[{"role": "assistant", "content": t}] for t in texts] if chat else texts
+    completions = texts if isinstance(prompts[0], str) else [[{"role": "assistant", "content": t}] for t in texts]
     columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt"}
     scores = call_reward_fns(task.reward_fns, task.weights, prompts, completions, completion_ids, columns,
                              task.reward_model is not None)
@@ -1206,8 +1225,8 @@ def rollout(policy, tokenizer, rows: list[dict], gen: GenerationConfig, stop_str
     process = None if task.prm is None else process_rewards(
         task.prm, task.prm_tokenizer, tokenizer, prompts, completion_ids, task.args.prm_separator)
     masks = (torch.arange(responses.shape[1])[None] < lengths[:, None]).long()
-    return {"queries": queries, "responses": responses, "masks": masks, "scores": scores, "ended": ended,
-            "prompts": prompts, "texts": texts, "process": process}
+    return {"queries": queries, "responses": responses, "masks": masks, "sampler_logprobs": sampler_logprobs,
+            "scores": scores, "ended": ended, "prompts": prompts, "texts": texts, "process": process}
 
 
 def evaluate(policy, tokenizer, task: Task, greedy: GenerationConfig, stop_strings: list[str], rank: int,
@@ -1216,12 +1235,11 @@ def evaluate(policy, tokenizer, task: Task, greedy: GenerationConfig, stop_strin
     (the fraction reaching --success-threshold), and every completion (prompt, completion, score), gathered from all
     processes."""
     out = rollout(policy, tokenizer, task.eval_rows[rank::world], greedy, stop_strings, task)
-    device = next(policy.parameters()).device
-    success = (out["scores"] >= task.args.success_threshold).sum()
-    total = global_sum(torch.tensor([out["scores"].sum(), success, len(out["scores"])], dtype=torch.float64,
-                                    device=device)).tolist()
+    scores = out["scores"]  # [B]
+    total = global_sum(torch.tensor([scores.sum(), (scores >= task.args.success_threshold).sum(), len(scores)],
+                                    dtype=torch.float64, device=next(policy.parameters()).device)).tolist()
     samples = [{"prompt": p, "completion": t, "score": s}
-               for p, t, s in zip(out["prompts"], out["texts"], out["scores"].tolist())]
+               for p, t, s in zip(out["prompts"], out["texts"], scores.tolist())]
     if world > 1:
         parts = [None] * world
         torch.distributed.all_gather_object(parts, samples)
@@ -1301,10 +1319,8 @@ def shard(model: torch.nn.Module, mesh) -> torch.nn.Module:
     for module in model.modules():
         if type(module).__name__ in layers:
             fully_shard(module, mesh=mesh)
-    if isinstance(model, peft.PeftModel):
-        fully_shard(model.get_base_model(), mesh=mesh)
-        return model
-    return fully_shard(model, mesh=mesh)
+    fully_shard(model.get_base_model() if isinstance(model, peft.PeftModel) else model, mesh=mesh)
+    return model
 
 
 def reference(policy, ref_policy) -> tuple:
@@ -1322,11 +1338,10 @@ def place(models: list, device: torch.device, fsdp: bool, world: int) -> None:
     """Move each model (None: absent) to the device with dropout off; under --fsdp, shard it over the processes."""
     if fsdp and not torch.distributed.is_initialized():
         fail("--fsdp", True, "FSDP shards over processes: launch with torchrun --nproc_per_node N")
-    for model in models:
-        if model is not None:
-            disable_dropout(model.to(device))
-            if fsdp:
-                shard(model, init_device_mesh(device.type, (world,)))
+    for model in filter(None, models):
+        disable_dropout(model.to(device))
+        if fsdp:
+            shard(model, init_device_mesh(device.type, (world,)))
 
 
 def compile_models(enabled: bool, models: list, configs: list[GenerationConfig], device: torch.device) -> None:
@@ -1378,9 +1393,8 @@ def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def refuse_dropout(**models: torch.nn.Module) -> None:
-    """Raise ValueError, naming the model, when one would apply dropout: in training mode with a dropout layer of
-    p > 0 or a float `*dropout*` attribute > 0 (attention dropout applied as a function). The rollout's and the
-    update's forward passes would then see different dropout masks, and old and new logprobs and values differ."""
+    """Raise ValueError, naming the model, when one would apply dropout (see disable_dropout): in training mode with a
+    dropout layer of p > 0 or a float `*dropout*` attribute > 0, the rollout's and the update's passes would differ."""
     for name, model in models.items():
         if model is None:  # ref_policy None: the policy itself, with its LoRA adapters off
             continue
@@ -1433,11 +1447,11 @@ def log_row(path: Path | None, run, row: dict, samples: list | None = None) -> N
     if samples:
         with (path.parent / "samples.jsonl").open("a") as f:
             f.writelines(json.dumps({"iteration": row["iteration"], **s}, default=str) + "\n" for s in samples)
-        lines = [f"iteration {row['iteration']}: {len(samples)} evaluation completions in samples.jsonl, the first 3:"]
+        tqdm.write(f"iteration {row['iteration']}: {len(samples)} evaluation completions in samples.jsonl, the first "
+                   "3:")
         for s in samples[:3]:
             prompt = s["prompt"] if isinstance(s["prompt"], str) else s["prompt"][-1]["content"]  # chat: last message
-            lines.append(f"  score {s['score']:+.3f} | {prompt!r} -> {s['completion']!r}")
-        tqdm.write("\n".join(lines))
+            tqdm.write(f"  score {s['score']:+.3f} | {prompt!r} -> {s['completion']!r}")
     if run is not None:
         import wandb
 
@@ -1473,20 +1487,20 @@ def plan_run(args) -> tuple[int, Path, str, Path | None]:
     return num_iterations, output_dir, run_name, find_checkpoint(args.resume, output_dir) if args.resume else None
 
 
-def resume_state(ckpt: Path | None, optimizer, seed: int, rank: int, run_name: str) -> dict:
-    """The loop's progress (iterations done, episodes, seconds, last accuracy, run name, prompt position) and this
-    process's random state: fresh (seeded per rank, so that ranks sample differently), or a checkpoint's, whose
-    optimizer state is restored too."""
+def resume_state(ckpt: Path | None, optimizer, seed: int, rank: int, run_name: str) -> tuple[dict, int]:
+    """The loop's progress (iterations done, episodes, seconds, last accuracy, run name, prompt position), the first
+    iteration to run, and this process's random state: fresh (seeded per rank, so that ranks sample differently), or
+    a checkpoint's, whose optimizer state is restored too."""
     random.seed(seed + rank)
     torch.manual_seed(seed + rank)
     if ckpt is None:
         return {"iteration": 0, "episode": 0, "elapsed": 0.0, "accuracy": None, "run_name": run_name,
-                "prompt_state": {"epoch": 0, "pos": 0, "rng": random.Random(seed).getstate()}}
+                "prompt_state": {"epoch": 0, "pos": 0, "rng": random.Random(seed).getstate()}}, 1
     state = load_state(ckpt)
     load_optimizer_state(optimizer, state.pop("optimizer"))
     rngs = state.pop("rng")
     set_rng_states(rngs[rank % len(rngs)])
-    return state
+    return state, state["iteration"] + 1
 
 
 def save_state(folder: Path, models: dict, tokenizer, optimizer, state: dict, keep: int, rank: int, world: int) -> None:
@@ -1502,9 +1516,8 @@ def save_state(folder: Path, models: dict, tokenizer, optimizer, state: dict, ke
 
 
 def finish_run(policy, tokenizer, output_dir: Path, metrics_path: Path | None, run, rank: int) -> None:
-    """Save the final model (gathered from every process, written by rank 0) and say where, close wandb, and leave
-    the process group once every process is done. With LoRA, the adapters alone go to adapter/ and the model with
-    them merged into its weights to model/."""
+    """Save the final model to model/ (with LoRA, its adapters to adapter/ too: see save_model) and say where, close
+    wandb, and leave the process group once every process is done."""
     save_model(policy, tokenizer, output_dir / "model", output_dir / "adapter", rank)
     if rank == 0:
         final = json.loads(metrics_path.read_text().splitlines()[-1])
@@ -1586,7 +1599,9 @@ def load_state(folder: Path) -> dict:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    configs = {name: (text, make()) for name, (text, make) in RECIPES.items()}
+    recipe = len(sys.argv) > 1 and sys.argv[1] in RECIPES  # a named configuration, then flags that override it
+    main(tyro.extras.overridable_config_cli(configs, args=sys.argv[1:]) if recipe else tyro.cli(Args))
     if "LOCAL_RANK" in os.environ:  # under torchrun: all is saved and the group torn down; skip interpreter
         sys.stdout.flush()          # teardown, where gloo's leftover threads can abort the process (SIGABRT)
         sys.stderr.flush()

@@ -8,9 +8,8 @@ docs/rloo.md explains every numbered step and every logged metric.
     python rloo.py                                      # built-in task: single-digit addition, tiny model, offline
     python rloo.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset prompts.jsonl --reward-fn my_rewards.py:score
 
-Same prompt sources, reward functions, reward models, generation settings, run records and checkpoints as ppo.py;
-the helpers they share are copies (tests/test_copies.py keeps them identical), so this file stands alone. Custom
-loops import `rloo_step`."""
+Prompt sources, rewards, generation, run records and checkpoints are ppo.py's, copied (tests/test_copies.py keeps the
+copies identical) so that this file stands alone. Custom loops import `rloo_step`."""
 
 from __future__ import annotations
 
@@ -60,27 +59,48 @@ from transformers.cache_utils import DynamicCache, StaticCache, StaticLayer
 
 @dataclass
 class RLOOHParams:
-    """The hyperparameters of one RLOO update (`rloo_step`)."""
+    """The hyperparameters of one RLOO update (`rloo_step`). baseline to importance_sampling_level are the switches of
+    the GRPO family, named and meant as in TRL's GRPOConfig; their defaults are RLOO (see RECIPES)."""
 
     rloo_k: int = 4
-    """samples per prompt; the baseline of each is the mean reward of the other k - 1"""
+    """samples per prompt (a group; TRL's num_generations)"""
+    baseline: Literal["leave_one_out", "group_mean"] = "leave_one_out"
+    """leave_one_out: a sample's baseline is the mean reward of the other k - 1 (RLOO); group_mean: of all k (GRPO)"""
+    scale_rewards: Literal["none", "group", "batch"] = "none"
+    """divide the advantages by the reward std of the group (GRPO) or of the whole batch, all processes (none: RLOO)"""
+    loss_type: Literal["dapo", "grpo", "bnpo", "dr_grpo"] = "dapo"
+    """how token losses become one (see aggregate_loss): dapo, token sums over all tokens; grpo, each response's mean,
+    then the mean over responses; bnpo, over this process's tokens; dr_grpo, over responses x max_completion_length"""
+    max_completion_length: int | None = None
+    """dr_grpo's constant (None: --max-new-tokens in the scripts, the batch's response width in a custom loop)"""
     kl_coef: float = 0.05
-    """weight of the KL penalty"""
+    """weight of the KL penalty (TRL's beta)"""
     kl_estimator: Literal["auto", "k1", "k2", "k3"] = "auto"
-    """per-token KL estimate, with r = ref_logp - logp: k1 = -r, k2 = r^2 / 2, k3 = exp(r) - 1 - r. In the reward
-    its value counts: k1 or k3 (both unbiased estimates of KL(policy || reference)). In the loss its gradient counts:
-    k2 (token by token, the gradient of KL(policy || reference) at the sampled prefix: see kl_penalty) or k3 (that
-    of KL(reference || policy), GRPO's choice); k1 has no gradient there in expectation and is refused. auto: k1 in
-    the reward, k2 in the loss"""
+    """per-token KL estimate, with r = ref_logp - logp: k1 = -r, k2 = r^2 / 2, k3 = exp(r) - 1 - r. In the reward its
+    value counts: k1 or k3 (unbiased estimates of KL(policy || reference)). In the loss its gradient counts: k2 (per
+    token, that of KL(policy || reference) at the sampled prefix: see kl_penalty) or k3 (of KL(reference || policy),
+    GRPO's choice); k1's is 0 in expectation, so it is refused there. auto: k1 in the reward, k2 in the loss"""
     kl_in_reward: bool = True
-    """fold the KL penalty into the sequence reward (as the RLOO paper); else add kl_coef x the mean per-token KL to
-    the loss"""
-    normalize_advantages: bool = False
-    """divide the advantages by their standard deviation over the batch"""
+    """fold the KL penalty into the sequence reward (RLOO); else add kl_coef x the per-token KL to the losses (GRPO)"""
+    cliprange: float = 0.2
+    """clip range of the importance ratio (TRL's epsilon); matters when --num-ppo-epochs or --num-mini-batches > 1"""
+    epsilon_high: float | None = None
+    """clip the ratio to [1 - cliprange, 1 + epsilon_high] (DAPO's clip-higher; None: cliprange on both sides)"""
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """token: a ratio per token; sequence: one per response, the exp of its mean token log-ratio (GSPO)"""
+    mask_truncated_completions: bool = False
+    """no loss for responses that end with neither EOS nor a stop string (they still count in their group's baseline)"""
     temperature: float = 1.0
     """sampling temperature; the logprobs are computed from logits divided by it"""
-    cliprange: float = 0.2
-    """clip range of the importance ratio (matters when --num-ppo-epochs or --num-mini-batches > 1)"""
+    top_k: int = 0
+    """sample among the k most likely tokens (0: off); the update's logprobs use the same support (on-policy)"""
+    top_p: float = 1.0
+    """nucleus sampling (1.0: off); the update's logprobs use the same support (on-policy)"""
+    min_p: float = 0.0
+    """drop tokens below min_p times the top probability (0: off); the update's logprobs use the same support"""
+    sampler_correction_cap: float | None = None
+    """weight each token's policy-gradient loss by min(exp(old_logp - sampler_logp), cap): truncated importance
+    sampling for what differs between the sampler's and the trainer's logprobs (TRL's token_truncate; None: off)"""
     num_ppo_epochs: int = 1
     """passes over the batch per update (1: on-policy REINFORCE)"""
     num_mini_batches: int = 1
@@ -96,8 +116,7 @@ class RLOOHParams:
     prm_aggregate: Literal["min", "mean", "last"] = "min"
     """with --prm-model: how a response's step rewards become one, added to its score (min: Math-Shepherd's)"""
     dtype: Literal["fp32", "bf16"] = "fp32"
-    """compute dtype of the forward passes: bf16 runs them under autocast, all but the policy's output layer (its
-    logits stay fp32: see fp32_output_layer); weights, gradients and optimizer state stay fp32"""
+    """forward passes in bf16 under autocast but the policy's output layer; weights and optimizer state stay fp32"""
 
 
 @dataclass
@@ -146,6 +165,29 @@ class Args:
     rloo: Annotated[RLOOHParams, tyro.conf.OmitArgPrefixes] = field(default_factory=RLOOHParams)
 
 
+# Named configurations: `python rloo.py grpo --rloo-k 8` runs GRPO, a flag after the name overriding it; `python
+# rloo.py` alone runs RLOO. docs/rloo.md's table gives each one's paper (tests/test_grpo_family.py checks it).
+RECIPES = {
+    "rloo": ("RLOO as in its paper: leave-one-out baseline, KL (k1) in the reward (the defaults)", lambda: Args()),
+    "trl_rloo": ("TRL's RLOOTrainer defaults: k = 2, KL in the reward, sequence-summed token losses",
+                 lambda: Args(exp_name="trl_rloo", rloo=RLOOHParams(rloo_k=2, loss_type="dr_grpo"))),
+    "grpo": ("GRPO (DeepSeekMath): group-mean baseline over the group's std, per-response token means, k3 KL in "
+             "the loss", lambda: Args(exp_name="grpo", rloo=RLOOHParams(
+                 baseline="group_mean", scale_rewards="group", loss_type="grpo", kl_in_reward=False,
+                 kl_estimator="k3", kl_coef=0.04))),
+    "dr_grpo": ("Dr. GRPO: GRPO without the std scaling and the length normalisation, no KL", lambda: Args(
+        exp_name="dr_grpo", rloo=RLOOHParams(baseline="group_mean", loss_type="dr_grpo", kl_coef=0.0))),
+    "dapo": ("DAPO without dynamic sampling: clip-higher, token-level loss, truncated responses masked, no KL, "
+             "4 mini-batches", lambda: Args(exp_name="dapo", rloo=RLOOHParams(
+                 baseline="group_mean", scale_rewards="group", loss_type="dapo", epsilon_high=0.28,
+                 mask_truncated_completions=True, kl_coef=0.0, num_mini_batches=4))),
+    "gspo": ("GSPO: one importance ratio per response, clipped to [1 - 3e-4, 1 + 4e-4], no KL, 4 mini-batches",
+             lambda: Args(exp_name="gspo", rloo=RLOOHParams(
+                 baseline="group_mean", scale_rewards="group", loss_type="grpo", importance_sampling_level="sequence",
+                 cliprange=3e-4, epsilon_high=4e-4, kl_coef=0.0, num_mini_batches=4))),
+}
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # The algorithm: RLOO's math on tensors (small pure functions), then one update, rloo_step
 
@@ -188,10 +230,40 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
     raise ValueError(f"unknown KL estimator {estimator!r}: use k1, k2 or k3")
 
 
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, support: tuple = (0, 1.0, 0.0),
+                   with_entropy: bool = False, entropy_grad: bool = False) -> tuple:
+    """Logprobs [B, T] of tokens [B, T] under logits [B, T, V] as the sampler drew them: divided by the temperature
+    and, with support = (top_k, top_p, min_p) set, renormalised over the tokens those filters keep (filter_logits;
+    each sampled token stays inside), so that filtered sampling is on-policy; and the entropy [B, T] of that
+    distribution, differentiable only if entropy_grad. The logprob is the gathered logit minus the logsumexp: no
+    [B, T, V] log-softmax is kept."""
+    logits = logits.float() / temperature  # [B, T, V]
+    if tuple(support) != (0, 1.0, 0.0):
+        logits = filter_logits(logits, *support, keep=tokens)
+    lse = logits.logsumexp(-1)  # [B, T]
+    logprobs = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse
+    if not with_entropy:
+        return logprobs, None
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        kept = logits.masked_fill(logits == -float("inf"), 0.0)  # filtered tokens: probability 0, no term
+        return logprobs, lse - (logits.softmax(-1) * kept).sum(-1)
+
+
+def sampler_metrics(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor) -> dict:
+    """The sampler's logprobs [B, T] of the trained tokens (mask [B, T]) against the trainer's old ones, as TRL logs
+    them: |old - sampler|'s mean and max, and the importance ratio exp(old - sampler)'s min, mean and max. Float
+    noise with the same weights: the decode loop's one-token forwards round differently from the update's
+    whole-sequence forward, more so in bf16."""
+    diff = (old_logprobs - sampler_logprobs)[mask] if mask.any() else torch.zeros(1, device=mask.device)  # [N]
+    ratio = diff.exp()
+    return {"sampling/sampling_logp_difference/mean": diff.abs().mean().item(),
+            "sampling/sampling_logp_difference/max": diff.abs().max().item(),
+            **{f"sampling/importance_sampling_ratio/{f}": getattr(ratio, f)().item() for f in ("min", "mean", "max")}}
+
+
 def kl_estimator_for(hp: RLOOHParams) -> str:
-    """The estimator rloo_step uses where hp puts the KL: 'auto' is k1 in the reward and k2 in the loss. Raises a
-    ValueError, whose text is the fix, for k2 in the reward (a biased estimate of the KL) and k1 in the loss (its
-    gradient is 0 in expectation on-policy: no penalty at all)."""
+    """The estimator rloo_step uses where hp puts the KL ('auto': k1 in the reward, k2 in the loss); a ValueError,
+    whose text says why and what to use instead, for k2 in the reward and for k1 in the loss."""
     if hp.kl_estimator == "auto":
         return "k1" if hp.kl_in_reward else "k2"
     if hp.kl_in_reward and hp.kl_estimator == "k2":
@@ -203,12 +275,39 @@ def kl_estimator_for(hp: RLOOHParams) -> str:
     return hp.kl_estimator
 
 
-def rloo_advantages(rewards: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Leave-one-out: the baseline of each sample is the mean reward of the other k - 1 samples of its prompt.
-    rewards [B] with the k samples of each prompt contiguous; returns advantages [B] and baselines [B]."""
+def group_advantages(rewards: torch.Tensor, k: int, baseline: str, scale: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Advantages [B] and baselines [B] of rewards [B], the k samples of each prompt contiguous; baseline and scale as
+    --baseline and --scale-rewards say (leave_one_out: A = k / (k - 1) x (R - group mean)). The std has Bessel's
+    correction and 1e-4 added, as in TRL's GRPOTrainer."""
     grouped = rewards.view(-1, k)  # [P, k]
-    baselines = (grouped.sum(1, keepdim=True) - grouped) / (k - 1)
-    return (grouped - baselines).flatten(), baselines.flatten()
+    baselines = ((grouped.sum(1, keepdim=True) - grouped) / (k - 1) if baseline == "leave_one_out"
+                 else grouped.mean(1, keepdim=True).expand_as(grouped))
+    advantages = grouped - baselines  # [P, k]
+    if scale == "group":
+        advantages = advantages / (grouped.std(1, keepdim=True) + 1e-4)
+    elif scale == "batch":
+        n = global_sum(torch.tensor(float(rewards.numel()), device=rewards.device))
+        mean = global_sum(rewards.sum()) / n
+        advantages = advantages / (torch.sqrt(global_sum(((rewards - mean) ** 2).sum()) / (n - 1)) + 1e-4)
+    return advantages.flatten(), baselines.flatten()
+
+
+def aggregate_loss(losses: torch.Tensor, mask: torch.Tensor, loss_type: str, tokens: torch.Tensor,
+                   accumulation: int, max_completion_length: int) -> torch.Tensor:
+    """One micro-batch's loss from per-token losses [b, T] on mask [b, T], as TRL's loss_type. dapo: the token sum
+    over `tokens`, the mini-batch's tokens on all processes / processes (every token weighs the same, whatever its
+    response's length). The others as TRL computes them per micro-batch, then divided by the accumulation steps:
+    bnpo, over the micro-batch's tokens; grpo, each response's token mean, then the mean over responses (a short
+    response's tokens weigh more); dr_grpo, over responses x max_completion_length, a constant."""
+    if loss_type == "dapo":
+        return (losses * mask).sum() / tokens
+    if loss_type == "bnpo":
+        return (losses * mask).sum() / mask.sum().clamp(min=1) / accumulation
+    if loss_type == "grpo":
+        return ((losses * mask).sum(1) / mask.sum(1).clamp(min=1)).mean() / accumulation
+    if loss_type == "dr_grpo":
+        return (losses * mask).sum() / (losses.shape[0] * max_completion_length) / accumulation
+    raise ValueError(f"unknown loss_type {loss_type!r}: use dapo, grpo, bnpo or dr_grpo")
 
 
 def sequence_rewards(scores: torch.Tensor, process: list | None, aggregate: str, weight: float) -> torch.Tensor:
@@ -221,12 +320,11 @@ def sequence_rewards(scores: torch.Tensor, process: list | None, aggregate: str,
 
 
 def shared_prefix_logprobs(policy, queries: torch.Tensor, responses: torch.Tensor, valid: torch.Tensor,
-                           pad_token_id: int, temperature: float, with_entropy: bool = False,
-                           entropy_grad: bool = False) -> tuple:
-    """Logprobs [B, T] (and entropy [B, T], differentiable only if entropy_grad) of k responses per prompt,
-    forwarding each prompt once: its KV cache is computed once and repeated k times. queries [P, Lq] left-padded,
-    one per prompt; responses, valid [B, T]. Layers that checkpoint their activations keep no cache: then each
-    response is forwarded with its own copy of the prompt."""
+                           pad_token_id: int, temperature: float, support: tuple = (0, 1.0, 0.0),
+                           with_entropy: bool = False, entropy_grad: bool = False) -> tuple:
+    """token_logprobs' logprobs [B, T] and entropy [B, T] of k responses per prompt, each prompt forwarded once and its
+    KV cache repeated k times; queries [P, Lq] left-padded, responses and valid [B, T]. Layers that checkpoint their
+    activations keep no cache: then each response is forwarded with its own copy of the prompt."""
     k = responses.shape[0] // queries.shape[0]
     query_mask = ((queries != pad_token_id).cumsum(1) > 0).long()
     mask = torch.cat([query_mask.repeat_interleave(k, 0), valid.long()], 1)  # [B, Lq + T]
@@ -239,28 +337,23 @@ def shared_prefix_logprobs(policy, queries: torch.Tensor, responses: torch.Tenso
         prefix.cache.batch_repeat_interleave(k)
         out = policy(input_ids=responses, attention_mask=mask,
                      position_ids=position_ids_from(mask)[:, queries.shape[1]:], cache=prefix.cache)
-        logits = torch.cat([prefix.logits.repeat_interleave(k, 0), out.logits[:, :-1]], 1)
-    logits = logits.float() / temperature  # [B, T, V]
-    lse = logits.logsumexp(-1)  # [B, T, V] -> [B, T]
-    logprobs = logits.gather(-1, responses.unsqueeze(-1)).squeeze(-1) - lse
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        entropy = lse - (logits.softmax(-1) * logits).sum(-1) if with_entropy else None
-    return logprobs, entropy
+        logits = torch.cat([prefix.logits.repeat_interleave(k, 0), out.logits[:, :-1]], 1)  # [B, T, V]
+    return token_logprobs(logits, responses, temperature, support, with_entropy, entropy_grad)
 
 
 def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: torch.Tensor, rewards: torch.Tensor,
-              masks: torch.Tensor | None = None, *, hp: RLOOHParams, pad_token_id: int,
-              eos_token_id: int | None = None) -> dict[str, float]:
-    """One RLOO update on a batch of finished episodes, k = hp.rloo_k samples per prompt, contiguous:
-    [p0s0, p0s1, ..., p1s0, ...].
+              masks: torch.Tensor | None = None, *, hp: RLOOHParams, pad_token_id: int, eos_token_id: int | None = None,
+              sampler_logprobs: torch.Tensor | None = None, ended: torch.Tensor | None = None) -> dict[str, float]:
+    """One RLOO (or GRPO-family) update on a batch of finished episodes, k = hp.rloo_k samples per prompt,
+    contiguous: [p0s0, p0s1, ..., p1s0, ...].
 
     queries [B, Lq] (or [B / k, Lq], one per prompt) left-padded prompt ids; responses [B, T] right-padded response
     ids (a response ends after its first EOS); rewards [B] (one score per response) or [B, T] (per-token, summed per
     response, padding positions included: no reward is dropped); masks [B, T] with 0 on response tokens that must
-    not be trained on (tool output: no gradient, no KL). The KL estimator is kl_estimator_for(hp) (a ValueError for
-    k1 in the loss). ref_policy None means the policy with its LoRA adapters off (peft). The models must not apply
-    dropout (a ValueError: call disable_dropout(model) or model.eval() first), or the rollout's and the update's
-    forward passes would differ. Returns metrics."""
+    not be trained on (tool output: no gradient, no KL). Optional: sampler_logprobs [B, T], the sampler's logprob of
+    each token (logged against the trainer's, and used by hp.sampler_correction_cap); ended [B] bool, the responses
+    that ended with EOS or a stop string (None: those whose last token is EOS). ref_policy None means the policy
+    with its LoRA adapters off (peft). The models must not apply dropout (a ValueError from refuse_dropout)."""
     B, T = responses.shape
     k = hp.rloo_k
     if k < 2 or B % k:
@@ -274,148 +367,138 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
     refuse_dropout(policy=policy, ref_policy=ref_policy)
     device = next(policy.parameters()).device
     queries, responses, rewards = queries.to(device), responses.to(device), rewards.to(device).float()
-    if queries.shape[0] == B:
-        if not torch.equal(queries.view(P, k, -1), queries[::k, None].expand(P, k, queries.shape[1])):
-            raise ValueError("the k samples of each prompt must be contiguous and share one query")
-        queries = queries[::k]  # [P, Lq]
+    if queries.shape[0] == B and not torch.equal(queries, queries[::k].repeat_interleave(k, 0)):
+        raise ValueError("the k samples of each prompt must be contiguous and share one query")
+    queries = queries[::k] if queries.shape[0] == B else queries  # [P, Lq]
+    support = (hp.top_k, hp.top_p, hp.min_p)  # the sampler's filters: the policy's logprobs use them, not the KL's ref
+    high = hp.cliprange if hp.epsilon_high is None else hp.epsilon_high
 
-    # 1. Masks: `valid` is the response itself (padding excluded), `train` the valid tokens not masked out.
+    # 1. Masks: `valid` is the response itself (padding excluded), `train` the valid tokens not masked out, `in_loss`
+    # the trained tokens of the responses that get a loss (with mask_truncated_completions, only those that ended).
     valid = response_valid_mask(responses, pad_token_id, eos_token_id, None if masks is None else masks.to(device))
     train = valid & (masks.to(device).bool() if masks is not None else True)
+    eos = (responses == eos_token_id) & valid if eos_token_id is not None else torch.zeros_like(valid)  # [B, T]
+    ended = eos.any(1) if ended is None else ended.to(device).bool()  # [B] ended with EOS (or a stop string)
+    in_loss = train & ended[:, None] if hp.mask_truncated_completions else train  # [B, T]
 
-    # 2. Rollout forward passes without gradients, in chunks of whole prompts, each prompt forwarded once:
-    # reference logprobs for the KL, and the policy's old logprobs when they are needed before the update. An
-    # on-policy update in one batch (1 epoch, 1 mini-batch, no accumulation) keeps its training forward pass from
-    # here instead; with several micro-batches on-policy, the training passes fill old_logprobs as they go.
+    # 2. Rollout forward passes without gradients, in chunks of whole prompts, each prompt forwarded once: reference
+    # logprobs for the KL, and the policy's old logprobs when needed before the update; else (on-policy) they are the
+    # training passes' own: in one batch (fused) that pass is done here and kept, else filled in as they go.
     on_policy = hp.num_ppo_epochs == 1 and hp.num_mini_batches == 1
     fused = on_policy and hp.gradient_accumulation_steps == 1
     need_old = not on_policy or (hp.kl_in_reward and hp.kl_coef > 0 and not fused)
     per_chunk = max(1, hp.forward_batch_size // k)
     chunks = [(slice(p, p + per_chunk), slice(p * k, (p + per_chunk) * k)) for p in range(0, P, per_chunk)]
 
-    def logprobs_of(model) -> torch.Tensor:  # [B, T], chunk by chunk
+    def logprobs_of(model, support: tuple) -> torch.Tensor:  # [B, T], chunk by chunk
         return torch.cat([shared_prefix_logprobs(model, queries[q], responses[r], valid[r], pad_token_id,
-                                                 hp.temperature)[0] for q, r in chunks])
+                                                 hp.temperature, support)[0] for q, r in chunks])
 
-    if fused:
+    def forward(p, i) -> tuple:  # the update's forward pass, with gradients: logprobs and entropy of prompts p, rows i
         with autocast(hp.dtype, device):
-            first = shared_prefix_logprobs(policy, queries, responses, valid, pad_token_id, hp.temperature, True)
+            return shared_prefix_logprobs(policy, queries[p], responses[i], valid[i], pad_token_id, hp.temperature,
+                                          support, True)
+
+    first = forward(slice(None), slice(None)) if fused else None  # [B, T] each
     with torch.no_grad(), autocast(hp.dtype, device):
         if need_old:
-            old_logprobs = logprobs_of(policy)
-        elif fused:
-            old_logprobs = first[0].detach()
-        else:  # filled by the training passes
-            old_logprobs = torch.zeros(B, T, device=device)
+            old_logprobs = logprobs_of(policy, support)
+        else:  # on-policy
+            old_logprobs = first[0].detach() if fused else torch.zeros(B, T, device=device)
         ref_logprobs = None
         if hp.kl_coef > 0:
             ref_model, ref_context = reference(policy, ref_policy)  # ref_policy None: the policy, adapters off
             with ref_context:
-                ref_logprobs = logprobs_of(ref_model)
+                ref_logprobs = logprobs_of(ref_model, (0, 1.0, 0.0))  # the reference's full distribution
 
-        def kl_of(logprobs: torch.Tensor) -> torch.Tensor:  # [B, T] per-token KL, zero on untrained tokens
-            if ref_logprobs is None:
-                return torch.zeros(B, T, device=device)
-            return kl_penalty(logprobs, ref_logprobs, estimator) * train
+        def kl_of(logprobs: torch.Tensor, i=slice(None)) -> torch.Tensor:  # [b, T] per-token KL of rows i (0 if no KL)
+            return kl_penalty(logprobs, ref_logprobs[i], estimator) if hp.kl_coef > 0 else torch.zeros_like(logprobs)
 
         # 3. Sequence rewards: score minus kl_coef x the summed KL of the trained tokens (when the KL is in the reward).
         scores = rewards if rewards.dim() == 1 else rewards.sum(1)  # [B]: all of it, padding positions too
-        non_score = -hp.kl_coef * kl_of(old_logprobs).sum(1) if hp.kl_in_reward else torch.zeros_like(scores)
+        non_score = -hp.kl_coef * (kl_of(old_logprobs) * train).sum(1) if hp.kl_in_reward else torch.zeros_like(scores)
         sequence_rewards = scores + non_score  # [B]
 
-        # 4. Leave-one-out baselines and advantages (optionally normalised by their standard deviation).
-        advantages, baselines = rloo_advantages(sequence_rewards, k)
+        # 4. Baselines and advantages: leave-one-out or the group mean, optionally over the group's or batch's std.
+        advantages, baselines = group_advantages(sequence_rewards, k, hp.baseline, hp.scale_rewards)
         n = global_sum(torch.tensor(float(B), device=device))
         advantage_std = torch.sqrt(global_sum((advantages ** 2).sum()) / n)  # the advantages have mean 0 per prompt
-        if hp.normalize_advantages:
-            advantages = advantages / (advantage_std + 1e-8)
         equal_groups = (sequence_rewards.view(P, k) == sequence_rewards.view(P, k)[:, :1]).all(1).float().mean()
 
     # 5. Clipped policy-gradient epochs over shuffled mini-batches of whole prompts; the sequence advantage weights
-    # every trained token; losses are token sums over the mini-batch's token count on all processes.
+    # every trained token; the token losses become one as hp.loss_type says.
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    stats = {k_: [] for k_ in ("pg_loss", "kl_loss", "approxkl", "clipfrac", "entropy", "ratio")}
+    stats = {key: [] for key in ("policy/approxkl_avg", "policy/clipfrac_avg", "policy/clipfrac_low_avg",
+                                 "policy/clipfrac_high_avg", "policy/entropy_avg", "loss/policy_avg", "loss/kl_avg",
+                                 "val/ratio")}  # one value per micro-batch
     mini, skipped = P // hp.num_mini_batches, 0
     for _ in range(hp.num_ppo_epochs):
-        order = torch.randperm(P, device=device)
-        for start in range(0, P, mini):
-            mb = order[start:start + mini]
-            rows = (mb[:, None] * k + torch.arange(k, device=device)).flatten()
-            n_train = global_sum(train[rows].sum().float()).clamp(min=1) / world_size()
+        for mb in torch.randperm(P, device=device).split(mini):  # shuffled mini-batches of prompts
+            n_loss = global_sum(in_loss.view(P, k, T)[mb].sum().float()).clamp(min=1) / world_size()
             bad = torch.zeros((), device=device)
-            for m in range(0, mini, micro):
-                pi = mb[m:m + micro]
+            for pi in mb.split(micro):
                 i = (pi[:, None] * k + torch.arange(k, device=device)).flatten()
-                if fused:
-                    new_logprobs, entropy = (x[i] for x in first)
-                else:
-                    with autocast(hp.dtype, device):
-                        new_logprobs, entropy = shared_prefix_logprobs(policy, queries[pi], responses[i], valid[i],
-                                                                       pad_token_id, hp.temperature, True)
+                new_logprobs, entropy = (x[i] for x in first) if fused else forward(pi, i)
                 if not need_old and not fused:
                     old_logprobs[i] = new_logprobs.detach()
-                log_ratio = new_logprobs - old_logprobs[i]
+                log_ratio = new_logprobs - old_logprobs[i]  # [b, T]
+                if hp.importance_sampling_level == "sequence":  # GSPO: the mean log-ratio of each response, [b, 1]
+                    log_ratio = ((log_ratio * in_loss[i]).sum(1) / in_loss[i].sum(1).clamp(min=1))[:, None]
                 ratio = log_ratio.exp()
-                adv = advantages[i, None]
-                pg_losses = torch.max(-adv * ratio, -adv * ratio.clamp(1 - hp.cliprange, 1 + hp.cliprange))
-                loss = (pg_losses * train[i]).sum() / n_train
-                kl_losses = torch.zeros_like(new_logprobs)
-                if hp.kl_coef > 0:
-                    kl_losses = kl_penalty(new_logprobs, ref_logprobs[i], estimator)
-                if not hp.kl_in_reward:
-                    loss = loss + hp.kl_coef * (kl_losses * train[i]).sum() / n_train
+                adv = advantages[i, None]  # [b, 1]
+                pg_losses = torch.max(-adv * ratio, -adv * ratio.clamp(1 - hp.cliprange, 1 + high))  # [b, T]
+                if hp.sampler_correction_cap is not None and sampler_logprobs is not None:
+                    weight = (old_logprobs[i] - sampler_logprobs.to(device)[i]).exp()  # [b, T], truncated at the cap
+                    pg_losses = pg_losses * weight.clamp(max=hp.sampler_correction_cap)
+                kl_losses = kl_of(new_logprobs, i)  # [b, T]
+                token_losses = pg_losses if hp.kl_in_reward else pg_losses + hp.kl_coef * kl_losses
+                loss = aggregate_loss(token_losses, in_loss[i], hp.loss_type, n_loss, hp.gradient_accumulation_steps,
+                                      hp.max_completion_length or T)
                 loss.backward()  # even when not finite: every process runs the same collectives
                 if not torch.isfinite(loss):
                     bad += 1
                     continue
                 with torch.no_grad():
-                    t = train[i]
-                    stats["pg_loss"].append(masked_mean(pg_losses, t))
-                    stats["kl_loss"].append(masked_mean(kl_losses, t))
-                    stats["approxkl"].append(0.5 * masked_mean(log_ratio ** 2, t))
-                    stats["clipfrac"].append(masked_mean(((ratio - 1).abs() > hp.cliprange).float(), t))
-                    stats["entropy"].append(masked_mean(entropy, t))
-                    stats["ratio"].append(masked_mean(ratio, t))
+                    t = in_loss[i]
+                    low_out, high_out = ratio < 1 - hp.cliprange, ratio > 1 + high
+                    stats["loss/policy_avg"].append(masked_mean(pg_losses, t))
+                    stats["loss/kl_avg"].append(masked_mean(kl_losses, t))
+                    stats["policy/approxkl_avg"].append(0.5 * masked_mean(log_ratio ** 2, t))
+                    stats["policy/clipfrac_avg"].append(masked_mean((low_out | high_out).float(), t))
+                    stats["policy/clipfrac_low_avg"].append(masked_mean((low_out & (adv < 0)).float(), t))
+                    stats["policy/clipfrac_high_avg"].append(masked_mean((high_out & (adv > 0)).float(), t))
+                    stats["policy/entropy_avg"].append(masked_mean(entropy, t))
+                    stats["val/ratio"].append(masked_mean(ratio, t))
             if not step_or_skip(optimizer, params, global_sum(bad) > 0, hp.max_grad_norm, hp.skip_nonfinite):
                 skipped += 1
 
     # 6. Metrics (means over this process's batch; the caller averages them over processes).
-    ratios = torch.stack(stats["ratio"]) if stats["ratio"] else torch.full((1,), float("nan"))
-    mean = {key: torch.stack(values).mean().item() if values else float("nan") for key, values in stats.items()}
-    last = (valid.sum(1) - 1).clamp(min=0)
-    eos = torch.zeros(B, dtype=torch.bool, device=device)  # [B] responses that end with EOS
-    if eos_token_id is not None:
-        eos = (responses.gather(1, last[:, None])[:, 0] == eos_token_id) & valid.any(1)
     return {
-        "objective/kl": kl_of(old_logprobs).sum(1).mean().item(),
+        "objective/kl": (kl_of(old_logprobs) * train).sum(1).mean().item(),
         "objective/entropy": (-old_logprobs * train).sum(1).mean().item(),
         "objective/non_score_reward": non_score.mean().item(),
         "objective/rlhf_reward": sequence_rewards.mean().item(),
         "objective/scores": scores.mean().item(),
-        "policy/approxkl_avg": mean["approxkl"],
-        "policy/clipfrac_avg": mean["clipfrac"],
-        "policy/entropy_avg": mean["entropy"],
-        "loss/policy_avg": mean["pg_loss"],
-        "loss/kl_avg": mean["kl_loss"],
-        "val/ratio": ratios.mean().item(),
-        "val/ratio_var": ratios.var().item() if len(ratios) > 1 else 0.0,
+        **{key: torch.stack(values).mean().item() if values else float("nan") for key, values in stats.items()},
+        "val/ratio_var": torch.stack(stats["val/ratio"]).var().item() if len(stats["val/ratio"]) > 1 else 0.0,
         "val/num_eos_tokens": eos.sum().item(),
         "val/response_length": valid.sum(1).float().mean().item(),
+        "val/truncated_frac": (~ended).float().mean().item(),
         "rloo/baseline_avg": baselines.mean().item(),
         "rloo/advantage_std": advantage_std.item(),
         "rloo/frac_equal_groups": equal_groups.item(),
         "loss/nonfinite_skipped": float(skipped),
+        **({} if sampler_logprobs is None else sampler_metrics(old_logprobs, sampler_logprobs.to(device), train)),
     }
 
 
 # The loop. It calls the machinery below the marker: Python looks a name up when the call runs, so that is fine.
-
-
 def main(args: Args) -> None:
     hp, gen = args.rloo, args.gen
     # ---- check the configuration before anything is loaded
     rank, world, device = setup_distributed()
     gen.max_new_tokens = gen.max_new_tokens or (4 if check_task(args.task) else 64)
+    hp.max_completion_length = hp.max_completion_length or gen.max_new_tokens  # dr_grpo's constant
     if hp.rloo_k < 2:
         fail("--rloo-k", hp.rloo_k, "needs at least 2 samples per prompt for a leave-one-out baseline")
     try:
@@ -442,9 +525,8 @@ def main(args: Args) -> None:
     lr = args.learning_rate or (1e-3 if args.model == "builtin" else 3e-6)
     optimizer = torch.optim.AdamW(trainable(policy), lr=lr, eps=1e-5)
 
-    state = resume_state(ckpt, optimizer, args.seed, rank, run_name)
-    start = state["iteration"] + 1
-    sample, greedy = generation_configs(gen, tokenizer, hp.temperature)
+    state, start = resume_state(ckpt, optimizer, args.seed, rank, run_name)
+    sample, greedy = generation_configs(gen, tokenizer, hp.temperature, hp.top_k, hp.top_p, hp.min_p)
     compile_models(args.compile, [policy, ref_policy], [sample, greedy], device)
     metrics_path, run = open_run(args, output_dir, start, state["run_name"]) if rank == 0 else (None, None)
     if start == 1:
@@ -465,14 +547,13 @@ def main(args: Args) -> None:
         # 9. Update: the scores (with a PRM, plus its aggregated step scores) go into one rloo_step.
         rewards = sequence_rewards(out["scores"], out["process"], hp.prm_aggregate, args.task.prm_weight)
         try:
-            metrics = rloo_step(policy, ref_policy, optimizer, out["queries"], out["responses"], rewards,
-                                out["masks"], hp=hp, pad_token_id=tokenizer.pad_token_id,
-                                eos_token_id=tokenizer.eos_token_id)
+            metrics = rloo_step(policy, ref_policy, optimizer, out["queries"], out["responses"], rewards, out["masks"],
+                                hp=hp, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                                sampler_logprobs=out["sampler_logprobs"], ended=out["ended"])
         except FloatingPointError as e:
             fail("--skip-nonfinite", False, f"{e} at iteration {iteration}: the run stops here, its last good "
                  "checkpoint kept; lower --learning-rate, check the rewards, or pass --skip-nonfinite")
-        # 10. Log: metrics averaged over processes (counts summed), one row per iteration; greedy evaluation every
-        # --eval-every.
+        # 10. Log: metrics averaged over processes (counts summed), a row per iteration; evaluation every --eval-every.
         state["episode"] += args.batch_size
         row = {"iteration": iteration, "episode": state["episode"], "elapsed_s": round(time.time() - t0, 3),
                "lr": optimizer.param_groups[0]["lr"], **average_metrics(metrics, device, ("val/num_eos_tokens",))}
@@ -539,13 +620,9 @@ def addition_eval_rows() -> list[dict]:
 def addition_reward(prompts, completions, completion_ids, answer, tokenizer, **kwargs) -> list[float]:
     """1.0 for the exact answer followed by EOS; else partial credit: 0.5 x the fraction of the answer's digits in
     place. From random init a 0/1 reward gives almost no signal; this one learns (see docs/ppo.md)."""
-    scores = []
-    for text, ids, ans in zip(completions, completion_ids, answer):
-        if list(ids) == tokenizer(ans, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]:
-            scores.append(1.0)
-        else:
-            scores.append(0.5 * sum(c == a for c, a in zip(text, ans)) / len(ans))
-    return scores
+    return [1.0 if list(ids) == tokenizer(ans, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+            else 0.5 * sum(c == a for c, a in zip(text, ans)) / len(ans)
+            for text, ids, ans in zip(completions, completion_ids, answer)]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -554,19 +631,13 @@ def addition_reward(prompts, completions, completion_ids, answer, tokenizer, **k
 
 @dataclass
 class GenArgs:
-    """Generation settings (sampling temperature lives with the algorithm's hyperparameters)."""
+    """Generation settings (temperature, top-k, top-p and min-p are the algorithm's: the update's logprobs use them)."""
 
     max_new_tokens: int | None = None
     """most tokens per response (None: 4 for the built-in task, 64 otherwise)"""
     min_new_tokens: int = 0
-    """fewest tokens per response: EOS cannot end it sooner (off-policy, like the four filters below: it changes
-    what is sampled, while the update's logprobs are the plain temperature softmax's)"""
-    top_k: int = 0
-    """sample among the k most likely tokens (0: off; off-policy, see --min-new-tokens)"""
-    top_p: float = 1.0
-    """nucleus sampling (1.0: off; off-policy, see --min-new-tokens)"""
-    min_p: float = 0.0
-    """drop tokens below min_p times the top probability (0: off; off-policy, see --min-new-tokens)"""
+    """fewest tokens per response: EOS cannot end it sooner (off-policy, like --repetition-penalty: it changes what
+    is sampled, while the update's logprobs do not see it)"""
     repetition_penalty: float = 1.0
     """repetition penalty (1.0: off; off-policy, see --min-new-tokens)"""
     stop_strings: list[str] = field(default_factory=list)
@@ -678,8 +749,7 @@ def load_policy(name: str, trust_remote_code: bool) -> tuple:
     # fp32 weights whatever the checkpoint's dtype: in bf16, most of AdamW's small steps would round away
     policy = load_pretrained(AutoModelForCausalLM, name, "--model", trust_remote_code, dtype=torch.float32)
     tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     policy.config.pad_token_id = tokenizer.pad_token_id
     return tokenizer, fp32_output_layer(policy)
 
@@ -840,9 +910,8 @@ def load_task(task: TaskArgs, tokenizer, context: int, max_new_tokens: int, trus
         eval_rows = [evals[i] for i in range(min(task.num_eval_prompts, len(evals)))]
         longest = max(len(render_prompt(tokenizer, p)) for p in source["prompt"])
         if longest + max_new_tokens > context:
-            fail("--dataset", task.dataset, f"its longest prompt ({longest} tokens) plus --max-new-tokens exceeds "
-                                            f"the model's context of {context}; filter the prompts or lower "
-                                            "--max-new-tokens")
+            fail("--dataset", task.dataset, f"its longest prompt ({longest} tokens) plus --max-new-tokens exceeds the "
+                 f"model's context of {context}; filter the prompts or lower --max-new-tokens")
     elif task.prompt_fn:
         source = load_callable(task.prompt_fn, "--prompt-fn")
         eval_rng = random.Random(0)  # the same evaluation prompts for every seed
@@ -913,35 +982,54 @@ def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.cumsum(1) - 1).clamp(min=0)
 
 
-def generation_configs(gen: GenArgs, tokenizer, temperature: float) -> tuple[GenerationConfig, GenerationConfig]:
-    """The sampling configuration for rollouts and the greedy one for evaluation; the off-policy note, once, when a
-    sampling filter is set."""
+def generation_configs(gen: GenArgs, tokenizer, temperature: float, top_k: int = 0, top_p: float = 1.0,
+                       min_p: float = 0.0) -> tuple[GenerationConfig, GenerationConfig]:
+    """The sampling configuration for rollouts and the greedy one for evaluation; the off-policy note, once, when
+    --min-new-tokens or --repetition-penalty is set."""
     if off_policy_note(gen) and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
         print_once(off_policy_note(gen))
     common = dict(max_new_tokens=gen.max_new_tokens, min_new_tokens=gen.min_new_tokens or None,
                   pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    sample = GenerationConfig(do_sample=True, temperature=temperature, top_k=gen.top_k, top_p=gen.top_p,
-                              min_p=gen.min_p or None, repetition_penalty=gen.repetition_penalty, **common)
+    sample = GenerationConfig(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p or None,
+                              repetition_penalty=gen.repetition_penalty, **common)
     return sample, GenerationConfig(do_sample=False, **common)
 
 
 def off_policy_note(gen: GenArgs) -> str:
-    """One line naming the sampling filters that are set, or "" when none is: they change what is sampled, while
-    the update's old and new logprobs come from the plain temperature softmax (TRL's PPO trainer fixes top_k=0,
-    top_p=1.0 for this reason)."""
-    defaults = GenArgs()
-    flags = [f"--{name.replace('_', '-')} {getattr(gen, name)}" for name in
-             ("min_new_tokens", "top_k", "top_p", "min_p", "repetition_penalty")
-             if getattr(gen, name) != getattr(defaults, name)]
-    if not flags:
-        return ""
-    return (f"note: {', '.join(flags)} change what is sampled, but the update takes the samples as drawn from the "
-            "plain temperature softmax: it is off-policy, and its ratios do not correct for that")
+    """One line naming the settings that make the update off-policy, or "" when none is set: a repetition penalty
+    and a minimum length change what is sampled, but the update's logprobs do not see them. (Temperature, top-k,
+    top-p and min-p are exact: the update's logprobs use the same distribution, see token_logprobs.)"""
+    flags = [f"--{name.replace('_', '-')} {getattr(gen, name)}" for name, off in (("min_new_tokens", 0),
+             ("repetition_penalty", 1.0)) if getattr(gen, name) != off]
+    return (f"note: {', '.join(flags)} change what is sampled, but the update's logprobs do not see them: it is "
+            "off-policy, and its ratios do not correct for that") if flags else ""
 
 
-def next_token(logits: torch.Tensor, seen: torch.Tensor, gen: GenerationConfig, step: int) -> torch.Tensor:
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float,
+                  keep: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [..., V] with -inf outside the support that top-k, then top-p, then min-p leave, as `generate` applies
+    them. keep [...]: token ids that stay inside whatever their logit (the update's sampled tokens: float noise
+    between the sampler's forward and the trainer's can move a token at the boundary)."""
+    drop = torch.zeros_like(logits, dtype=torch.bool)
+    if top_k:
+        drop |= logits < logits.topk(min(top_k, logits.shape[-1])).values[..., -1:]
+    if top_p < 1.0:
+        ascending, order = logits.masked_fill(drop, -float("inf")).sort(-1)  # drop the low tail of 1 - top_p mass
+        tail = ascending.softmax(-1).cumsum(-1) <= 1 - top_p
+        tail[..., -1] = False
+        drop |= tail.scatter(-1, order, tail)
+    if min_p:
+        probs = logits.masked_fill(drop, -float("inf")).softmax(-1)
+        drop |= probs < min_p * probs.max(-1, keepdim=True).values
+    if keep is not None:
+        drop.scatter_(-1, keep.unsqueeze(-1), False)
+    return logits.masked_fill(drop, -float("inf"))
+
+
+def next_token(logits: torch.Tensor, seen: torch.Tensor, gen: GenerationConfig, step: int) -> tuple:
     """Pick the next token [B] from logits [B, V] as `generate` does: repetition penalty over the ids seen [B, L], no
-    EOS before min_new_tokens, then greedy, or temperature, top-k, top-p and min-p before sampling."""
+    EOS before min_new_tokens, then greedy, or temperature, top-k, top-p and min-p before sampling. Returns the
+    tokens [B] and their logprobs [B] under the distribution they were drawn from (0 when greedy)."""
     logits = logits.float()
     if gen.repetition_penalty not in (None, 1.0):
         score = logits.gather(1, seen)
@@ -949,22 +1037,13 @@ def next_token(logits: torch.Tensor, seen: torch.Tensor, gen: GenerationConfig, 
     if step < (gen.min_new_tokens or 0):
         logits[:, gen.eos_token_id] = -float("inf")
     if not gen.do_sample:
-        return logits.argmax(-1)
-    logits = logits / (gen.temperature or 1.0)
-    if gen.top_k:
-        kth = logits.topk(min(gen.top_k, logits.shape[-1])).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, -float("inf"))
-    if gen.top_p is not None and gen.top_p < 1.0:
-        sorted_logits, order = logits.sort(-1)  # ascending: drop the low tail holding 1 - top_p of the mass
-        drop = sorted_logits.softmax(-1).cumsum(-1) <= 1 - gen.top_p
-        drop[:, -1] = False
-        logits = logits.masked_fill(drop.scatter(1, order, drop), -float("inf"))
-    if gen.min_p:
-        probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < gen.min_p * probs.max(-1, keepdim=True).values, -float("inf"))
-    cdf = logits.softmax(-1).cumsum(-1)  # inverse-CDF sampling: the distribution of torch.multinomial, far cheaper
+        return logits.argmax(-1), torch.zeros(logits.shape[0], device=logits.device)
+    logits = filter_logits(logits / (gen.temperature or 1.0), gen.top_k or 0, gen.top_p or 1.0, gen.min_p or 0.0)
+    logprobs = logits.log_softmax(-1)  # [B, V]
+    cdf = logprobs.exp().cumsum(-1)  # inverse-CDF sampling: the distribution of torch.multinomial, far cheaper
     u = (1 - torch.rand(cdf.shape[0], 1, device=cdf.device)) * cdf[:, -1:]  # in (0, total]: never a token of p = 0
-    return torch.searchsorted(cdf, u)[:, 0]  # the first token whose cumulative probability reaches u
+    token = torch.searchsorted(cdf, u)[:, 0]  # the first token whose cumulative probability reaches u
+    return token, logprobs.gather(1, token[:, None])[:, 0]
 
 
 def cache_length(prompt_length: int, max_new_tokens: int) -> int:
@@ -1005,13 +1084,14 @@ def compiled_decode_step(mode: str) -> Callable:
 
 @torch.no_grad()
 def decode_loop(model, queries: torch.Tensor, attention_mask: torch.Tensor, gen: GenerationConfig,
-                stop: Callable | None = None) -> torch.Tensor:
-    """Responses [B, T] to left-padded queries [B, Lq], sampled as `generate` samples, in plain PyTorch around the
-    model's own forward: one forward over the prompts fills the key/value cache, then one token per step
-    (decode_step). Rows end at EOS (then pad) or when stop(new_ids [B, t]) says so; the loop ends when every row has
-    ended in every process. When gen.compile_config is set, the step is compiled and the cache is static, sized for
-    prompt and response, so that every step has the same shapes (one graph); eager, or when a layer keeps a sliding
-    window (said once), the cache grows a token per step and attention spans only the tokens so far."""
+                stop: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Responses [B, T] to left-padded queries [B, Lq], sampled as `generate` samples, and each token's logprob [B, T]
+    under the distribution it was drawn from (0 after a row ended), in plain PyTorch around the model's own forward:
+    one forward over the prompts fills the key/value cache, then one token per step (decode_step). Rows end at EOS
+    (then pad) or when stop(new_ids [B, t]) says so; the loop ends when every row has ended in every process. When
+    gen.compile_config is set, the step is compiled and the cache is static, sized for prompt and response, so that
+    every step has the same shapes (one graph); eager, or when a layer keeps a sliding window (said once), the cache
+    grows a token per step and attention spans only the tokens so far."""
     B, Lq = queries.shape
     T, compiled = gen.max_new_tokens, gen.compile_config is not None
     cache = static_cache(model, B, cache_length(Lq, T)) if compiled else DynamicCache(config=model.config)
@@ -1033,16 +1113,19 @@ def decode_loop(model, queries: torch.Tensor, attention_mask: torch.Tensor, gen:
     ids = torch.nn.functional.pad(queries, (0, T), value=gen.pad_token_id)  # [B, Lq + T]: prompts, then responses
     position = attention_mask.sum(1, keepdim=True)  # [B, 1]: each row's first new position
     done = torch.zeros(B, dtype=torch.bool, device=queries.device)
+    logprobs = torch.zeros(B, T, device=queries.device)  # [B, T]: the sampler's logprob of each token
     for t in range(T):
-        token = next_token(logits, ids[:, :Lq + t], gen, t).masked_fill(done, gen.pad_token_id)  # [B]
+        token, logprob = next_token(logits, ids[:, :Lq + t], gen, t)  # [B], [B]
+        token = token.masked_fill(done, gen.pad_token_id)
         ids[:, Lq + t] = token
+        logprobs[:, t] = logprob.masked_fill(done, 0.0)
         done |= token == gen.eos_token_id
         if stop is not None:
             done |= stop(ids[:, Lq:Lq + t + 1])
         if t == T - 1 or global_sum((~done).sum()) == 0:  # all processes step on until all are done (FSDP: each
             break  # forward gathers the weights from every process)
         logits = step(model, token[:, None], position + t, mask[:, :C if compiled else Lq + t + 1], cache)
-    return ids[:, Lq:Lq + t + 1]
+    return ids[:, Lq:Lq + t + 1], logprobs[:, :t + 1]
 
 
 def stop_check(tokenizer, stop_strings: list[str]) -> Callable:
@@ -1062,21 +1145,23 @@ def print_once(message: str) -> None:
 
 @torch.no_grad()
 def generate(policy, tokenizer, queries: torch.Tensor, gen: GenerationConfig, stop_strings: list[str]) -> tuple:
-    """Sample (or greedily decode) responses to left-padded queries; returns cut_responses' triple. A model whose
-    forward takes a key/value cache object (`cache`: transformers' own causal LMs) decodes through decode_loop; any
-    other through `generate` (said once), where all processes keep stepping until every one is done (synced_gpus)."""
+    """Sample (or greedily decode) responses to left-padded queries; returns cut_responses' triple and the sampler's
+    logprobs [B, T] (None from `generate`). A model whose forward takes a key/value cache
+    object (`cache`: transformers' own causal LMs) decodes through decode_loop; any other through `generate` (said
+    once), where all processes keep stepping until every one is done (synced_gpus)."""
     attention_mask = ((queries != tokenizer.pad_token_id).cumsum(1) > 0).long()  # left padding only
     Lq = queries.shape[1]
     stop = stop_check(tokenizer, stop_strings) if stop_strings else None
     model = policy.get_base_model() if isinstance(policy, peft.PeftModel) else policy
     if "cache" in inspect.signature(type(model).forward).parameters:
-        out = decode_loop(policy, queries, attention_mask, gen, stop)
+        out, logprobs = decode_loop(policy, queries, attention_mask, gen, stop)
     else:
         print_once(f"generation through model.generate: {type(model).__name__}'s forward takes no cache object")
         criteria = StoppingCriteriaList([lambda ids, scores, **kw: stop(ids[:, Lq:])]) if stop else None
         out = policy.generate(input_ids=queries, attention_mask=attention_mask, generation_config=gen,
                               stopping_criteria=criteria, synced_gpus=torch.distributed.is_initialized())[:, Lq:]
-    return cut_responses(tokenizer, out.cpu(), stop_strings)
+        logprobs = None
+    return *cut_responses(tokenizer, out.cpu(), stop_strings), None if logprobs is None else logprobs.cpu()
 
 
 def cut_responses(tokenizer, responses: torch.Tensor, stop_strings: list[str]) -> tuple:
@@ -1181,8 +1266,8 @@ def process_rewards(prm, prm_tokenizer, tokenizer, prompts: list, completion_ids
 
 def rollout(policy, tokenizer, rows: list[dict], gen: GenerationConfig, stop_strings: list[str], task: Task) -> dict:
     """Generate responses to prompt rows and score them. Returns queries [B, Lq], responses [B, T], masks [B, T]
-    (1 on response tokens), scores [B], ended [B], the prompts and completion texts, and with a PRM its step
-    scores: per response, (token index, p_correct) per step."""
+    (1 on response tokens), the sampler's logprobs [B, T] (or None), scores [B], ended [B], the prompts and
+    completion texts, and with a PRM its step scores: per response, (token index, p_correct) per step."""
     prompts = [r["prompt"] for r in rows]
     ids = [render_prompt(tokenizer, p) for p in prompts]
     if max(map(len, ids)) + gen.max_new_tokens > task.context:
@@ -1190,11 +1275,10 @@ def rollout(policy, tokenizer, rows: list[dict], gen: GenerationConfig, stop_str
              f"exceeds the model's context of {task.context}; shorten the prompts or lower --max-new-tokens")
     queries = left_pad(ids, tokenizer.pad_token_id)
     device = next(policy.parameters()).device
-    responses, lengths, ended = generate(policy, tokenizer, queries.to(device), gen, stop_strings)
+    responses, lengths, ended, sampler_logprobs = generate(policy, tokenizer, queries.to(device), gen, stop_strings)
     completion_ids = [row[:n] for row, n in zip(responses.tolist(), lengths.tolist())]
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-    chat = not isinstance(prompts[0], str)
-    completions = [[{"role": "assistant", "content": t}] for t in texts] if chat else texts
+    completions = texts if isinstance(prompts[0], str) else [[{"role": "assistant", "content": t}] for t in texts]
     columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt"}
     scores = call_reward_fns(task.reward_fns, task.weights, prompts, completions, completion_ids, columns,
                              task.reward_model is not None)
@@ -1206,8 +1290,8 @@ def rollout(policy, tokenizer, rows: list[dict], gen: GenerationConfig, stop_str
     process = None if task.prm is None else process_rewards(
         task.prm, task.prm_tokenizer, tokenizer, prompts, completion_ids, task.args.prm_separator)
     masks = (torch.arange(responses.shape[1])[None] < lengths[:, None]).long()
-    return {"queries": queries, "responses": responses, "masks": masks, "scores": scores, "ended": ended,
-            "prompts": prompts, "texts": texts, "process": process}
+    return {"queries": queries, "responses": responses, "masks": masks, "sampler_logprobs": sampler_logprobs,
+            "scores": scores, "ended": ended, "prompts": prompts, "texts": texts, "process": process}
 
 
 def evaluate(policy, tokenizer, task: Task, greedy: GenerationConfig, stop_strings: list[str], rank: int,
@@ -1216,12 +1300,11 @@ def evaluate(policy, tokenizer, task: Task, greedy: GenerationConfig, stop_strin
     (the fraction reaching --success-threshold), and every completion (prompt, completion, score), gathered from all
     processes."""
     out = rollout(policy, tokenizer, task.eval_rows[rank::world], greedy, stop_strings, task)
-    device = next(policy.parameters()).device
-    success = (out["scores"] >= task.args.success_threshold).sum()
-    total = global_sum(torch.tensor([out["scores"].sum(), success, len(out["scores"])], dtype=torch.float64,
-                                    device=device)).tolist()
+    scores = out["scores"]  # [B]
+    total = global_sum(torch.tensor([scores.sum(), (scores >= task.args.success_threshold).sum(), len(scores)],
+                                    dtype=torch.float64, device=next(policy.parameters()).device)).tolist()
     samples = [{"prompt": p, "completion": t, "score": s}
-               for p, t, s in zip(out["prompts"], out["texts"], out["scores"].tolist())]
+               for p, t, s in zip(out["prompts"], out["texts"], scores.tolist())]
     if world > 1:
         parts = [None] * world
         torch.distributed.all_gather_object(parts, samples)
@@ -1301,10 +1384,8 @@ def shard(model: torch.nn.Module, mesh) -> torch.nn.Module:
     for module in model.modules():
         if type(module).__name__ in layers:
             fully_shard(module, mesh=mesh)
-    if isinstance(model, peft.PeftModel):
-        fully_shard(model.get_base_model(), mesh=mesh)
-        return model
-    return fully_shard(model, mesh=mesh)
+    fully_shard(model.get_base_model() if isinstance(model, peft.PeftModel) else model, mesh=mesh)
+    return model
 
 
 def reference(policy, ref_policy) -> tuple:
@@ -1322,11 +1403,10 @@ def place(models: list, device: torch.device, fsdp: bool, world: int) -> None:
     """Move each model (None: absent) to the device with dropout off; under --fsdp, shard it over the processes."""
     if fsdp and not torch.distributed.is_initialized():
         fail("--fsdp", True, "FSDP shards over processes: launch with torchrun --nproc_per_node N")
-    for model in models:
-        if model is not None:
-            disable_dropout(model.to(device))
-            if fsdp:
-                shard(model, init_device_mesh(device.type, (world,)))
+    for model in filter(None, models):
+        disable_dropout(model.to(device))
+        if fsdp:
+            shard(model, init_device_mesh(device.type, (world,)))
 
 
 def compile_models(enabled: bool, models: list, configs: list[GenerationConfig], device: torch.device) -> None:
@@ -1378,9 +1458,8 @@ def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def refuse_dropout(**models: torch.nn.Module) -> None:
-    """Raise ValueError, naming the model, when one would apply dropout: in training mode with a dropout layer of
-    p > 0 or a float `*dropout*` attribute > 0 (attention dropout applied as a function). The rollout's and the
-    update's forward passes would then see different dropout masks, and old and new logprobs and values differ."""
+    """Raise ValueError, naming the model, when one would apply dropout (see disable_dropout): in training mode with a
+    dropout layer of p > 0 or a float `*dropout*` attribute > 0, the rollout's and the update's passes would differ."""
     for name, model in models.items():
         if model is None:  # ref_policy None: the policy itself, with its LoRA adapters off
             continue
@@ -1433,11 +1512,11 @@ def log_row(path: Path | None, run, row: dict, samples: list | None = None) -> N
     if samples:
         with (path.parent / "samples.jsonl").open("a") as f:
             f.writelines(json.dumps({"iteration": row["iteration"], **s}, default=str) + "\n" for s in samples)
-        lines = [f"iteration {row['iteration']}: {len(samples)} evaluation completions in samples.jsonl, the first 3:"]
+        tqdm.write(f"iteration {row['iteration']}: {len(samples)} evaluation completions in samples.jsonl, the first "
+                   "3:")
         for s in samples[:3]:
             prompt = s["prompt"] if isinstance(s["prompt"], str) else s["prompt"][-1]["content"]  # chat: last message
-            lines.append(f"  score {s['score']:+.3f} | {prompt!r} -> {s['completion']!r}")
-        tqdm.write("\n".join(lines))
+            tqdm.write(f"  score {s['score']:+.3f} | {prompt!r} -> {s['completion']!r}")
     if run is not None:
         import wandb
 
@@ -1473,20 +1552,20 @@ def plan_run(args) -> tuple[int, Path, str, Path | None]:
     return num_iterations, output_dir, run_name, find_checkpoint(args.resume, output_dir) if args.resume else None
 
 
-def resume_state(ckpt: Path | None, optimizer, seed: int, rank: int, run_name: str) -> dict:
-    """The loop's progress (iterations done, episodes, seconds, last accuracy, run name, prompt position) and this
-    process's random state: fresh (seeded per rank, so that ranks sample differently), or a checkpoint's, whose
-    optimizer state is restored too."""
+def resume_state(ckpt: Path | None, optimizer, seed: int, rank: int, run_name: str) -> tuple[dict, int]:
+    """The loop's progress (iterations done, episodes, seconds, last accuracy, run name, prompt position), the first
+    iteration to run, and this process's random state: fresh (seeded per rank, so that ranks sample differently), or
+    a checkpoint's, whose optimizer state is restored too."""
     random.seed(seed + rank)
     torch.manual_seed(seed + rank)
     if ckpt is None:
         return {"iteration": 0, "episode": 0, "elapsed": 0.0, "accuracy": None, "run_name": run_name,
-                "prompt_state": {"epoch": 0, "pos": 0, "rng": random.Random(seed).getstate()}}
+                "prompt_state": {"epoch": 0, "pos": 0, "rng": random.Random(seed).getstate()}}, 1
     state = load_state(ckpt)
     load_optimizer_state(optimizer, state.pop("optimizer"))
     rngs = state.pop("rng")
     set_rng_states(rngs[rank % len(rngs)])
-    return state
+    return state, state["iteration"] + 1
 
 
 def save_state(folder: Path, models: dict, tokenizer, optimizer, state: dict, keep: int, rank: int, world: int) -> None:
@@ -1502,9 +1581,8 @@ def save_state(folder: Path, models: dict, tokenizer, optimizer, state: dict, ke
 
 
 def finish_run(policy, tokenizer, output_dir: Path, metrics_path: Path | None, run, rank: int) -> None:
-    """Save the final model (gathered from every process, written by rank 0) and say where, close wandb, and leave
-    the process group once every process is done. With LoRA, the adapters alone go to adapter/ and the model with
-    them merged into its weights to model/."""
+    """Save the final model to model/ (with LoRA, its adapters to adapter/ too: see save_model) and say where, close
+    wandb, and leave the process group once every process is done."""
     save_model(policy, tokenizer, output_dir / "model", output_dir / "adapter", rank)
     if rank == 0:
         final = json.loads(metrics_path.read_text().splitlines()[-1])
@@ -1586,7 +1664,9 @@ def load_state(folder: Path) -> dict:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    configs = {name: (text, make()) for name, (text, make) in RECIPES.items()}
+    recipe = len(sys.argv) > 1 and sys.argv[1] in RECIPES  # a named configuration, then flags that override it
+    main(tyro.extras.overridable_config_cli(configs, args=sys.argv[1:]) if recipe else tyro.cli(Args))
     if "LOCAL_RANK" in os.environ:  # under torchrun: all is saved and the group torn down; skip interpreter
         sys.stdout.flush()          # teardown, where gloo's leftover threads can abort the process (SIGABRT)
         sys.stderr.flush()

@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 MARKER = "# Machinery below:"
 # above the marker, what both RL scripts share: the math both updates use
-SHARED_ABOVE_MARKER = ["response_valid_mask", "masked_mean", "kl_penalty"]
+SHARED_ABOVE_MARKER = ["response_valid_mask", "masked_mean", "kl_penalty", "token_logprobs", "sampler_metrics"]
 # stepwise_prm.py's machinery: the subset of ppo.py's block it needs, copied definition by definition. Every other
 # name the two files share is deliberately the script's own: Args (its flags), main (its loop) and evaluate (the
 # PRM's held-out step metrics, not a policy's greedy decoding) and log_row (no completions to write).
@@ -59,7 +59,7 @@ def test_machinery_blocks_of_ppo_and_rloo_are_identical():
 
 
 # (the marker's line, the whole file's lines) at most, as `wc -l` counts them
-BUDGETS = {"ppo.py": (500, 1600), "rloo.py": (500, 1600), "stepwise_prm.py": (400, 900), "interleave.py": (None, 560)}
+BUDGETS = {"ppo.py": (520, 1620), "rloo.py": (580, 1680), "stepwise_prm.py": (400, 900), "interleave.py": (None, 560)}
 
 
 @pytest.mark.parametrize("script", BUDGETS)

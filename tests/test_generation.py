@@ -60,11 +60,11 @@ def test_greedy_equals_generate_with_left_padding(arch):
     queries, mask = left_padded([1, 5, 6, 7], [1, 9, 10, 11, 12, 13, 14], [1, 20])
     gen = GenerationConfig(do_sample=False, max_new_tokens=12, **SPECIAL)
     expected = model.generate(input_ids=queries, attention_mask=mask, generation_config=gen)[:, queries.shape[1]:]
-    assert torch.equal(ppo.decode_loop(model, queries, mask, gen), expected)
+    assert torch.equal(ppo.decode_loop(model, queries, mask, gen)[0], expected)
     # rows ending at different steps: EOS is the token row 0 greedily takes third; the rest of each row is padding
     gen.eos_token_id = int(expected[0, 2])
     expected = model.generate(input_ids=queries, attention_mask=mask, generation_config=gen)[:, queries.shape[1]:]
-    out = ppo.decode_loop(model, queries, mask, gen)
+    out = ppo.decode_loop(model, queries, mask, gen)[0]
     assert torch.equal(out, expected) and out[0, 3:].eq(0).all()
 
 
@@ -75,7 +75,7 @@ def test_generate_takes_the_decode_loop_and_returns_the_cut_triple():
     _, greedy = ppo.generation_configs(ppo.GenArgs(max_new_tokens=8), tokenizer, 1.0)
     mask = ((queries != tokenizer.pad_token_id).cumsum(1) > 0).long()
     expected = model.generate(input_ids=queries, attention_mask=mask, generation_config=greedy)[:, queries.shape[1]:]
-    responses, lengths, ended = ppo.generate(model, tokenizer, queries, greedy, [])
+    responses, lengths, ended, _ = ppo.generate(model, tokenizer, queries, greedy, [])
     assert torch.equal(responses, ppo.cut_responses(tokenizer, expected, [])[0])
     assert lengths.tolist() == [8 if tokenizer.eos_token_id not in row else row.index(tokenizer.eos_token_id) + 1
                                 for row in expected.tolist()]
@@ -110,7 +110,7 @@ def test_sampling_follows_the_softmax_over_two_steps():
         first = probs(prompt)[0]  # [V]
         second = first @ probs(torch.cat([prompt.expand(V, -1), torch.arange(V)[:, None]], 1))  # [V] marginal
         torch.manual_seed(0)
-        out = ppo.decode_loop(model, prompt.expand(n, -1), torch.ones(n, 4, dtype=torch.long), gen)
+        out = ppo.decode_loop(model, prompt.expand(n, -1), torch.ones(n, 4, dtype=torch.long), gen)[0]
     for step, exact in ((0, first), (1, second)):
         freq = torch.bincount(out[:, step], minlength=V).double() / n
         assert 0.5 * (freq - exact).abs().sum() < 0.05, (step, freq, exact)
@@ -124,7 +124,7 @@ def test_sampling_matches_generate_with_top_k_and_repetition_penalty():
     queries, mask = torch.tensor([[1, 5, 7, 3]]).expand(n, -1), torch.ones(n, 4, dtype=torch.long)
     with torch.no_grad():
         torch.manual_seed(0)
-        ours = ppo.decode_loop(model, queries, mask, gen)
+        ours = ppo.decode_loop(model, queries, mask, gen)[0]
         torch.manual_seed(1)
         theirs = model.generate(input_ids=queries, attention_mask=mask, generation_config=gen)[:, 4:]
     for step in (0, 1):
@@ -136,10 +136,10 @@ def test_sampling_matches_generate_with_top_k_and_repetition_penalty():
 def test_sampling_settings_hold_on_the_builtin_model():
     tokenizer = ppo.build_tokenizer()
     model = ppo.build_tiny_model(tokenizer)
-    sample, _ = ppo.generation_configs(ppo.GenArgs(max_new_tokens=6, min_new_tokens=6, top_k=3), tokenizer, 1.0)
+    sample, _ = ppo.generation_configs(ppo.GenArgs(max_new_tokens=6, min_new_tokens=6), tokenizer, 1.0, top_k=3)
     queries = ppo.left_pad([tokenizer("3+4=").input_ids] * 64, tokenizer.pad_token_id)
     torch.manual_seed(0)
-    out = ppo.decode_loop(model, queries, torch.ones_like(queries), sample)
+    out = ppo.decode_loop(model, queries, torch.ones_like(queries), sample)[0]
     assert out.shape == (64, 6) and (out != tokenizer.eos_token_id).all()  # min_new_tokens holds EOS back
     logits = model(queries[:1]).logits[0, -1]
     logits[tokenizer.eos_token_id] = -float("inf")  # held back before top-k, as generate's processors do
@@ -236,9 +236,9 @@ def test_stop_strings_end_rows_during_decoding():
     model = ppo.build_tiny_model(tokenizer)
     queries = ppo.left_pad([tokenizer("3+4=").input_ids, tokenizer("12+30=").input_ids], tokenizer.pad_token_id)
     _, greedy = ppo.generation_configs(ppo.GenArgs(max_new_tokens=16), tokenizer, 1.0)
-    full, _, _ = ppo.generate(model, tokenizer, queries, greedy, [])
+    full, _, _, _ = ppo.generate(model, tokenizer, queries, greedy, [])
     stop = tokenizer.decode(full[0, 1:3])  # two characters row 0 produces early
-    responses, lengths, ended = ppo.generate(model, tokenizer, queries, greedy, [stop])
+    responses, lengths, ended, _ = ppo.generate(model, tokenizer, queries, greedy, [stop])
     assert ended[0] and lengths[0] <= 3
     expected = ppo.cut_responses(tokenizer, full, [stop])
     assert torch.equal(responses, expected[0][:, :responses.shape[1]]) and torch.equal(lengths, expected[1])
@@ -266,7 +266,7 @@ def test_a_model_whose_forward_takes_no_cache_object_goes_through_generate_said_
     _, greedy = ppo.generation_configs(ppo.GenArgs(max_new_tokens=8), tokenizer, 1.0)
     ppo.print_once.cache_clear()
     for _ in range(2):
-        responses, _, _ = ppo.generate(model, tokenizer, queries, greedy, [])
+        responses, _, _, _ = ppo.generate(model, tokenizer, queries, greedy, [])
     assert capsys.readouterr().out == ("generation through model.generate: PastKeyValuesLM's forward takes no cache "
                                        "object\n")
     mask = ((queries != tokenizer.pad_token_id).cumsum(1) > 0).long()
@@ -291,13 +291,13 @@ def test_compiled_step_gives_the_eager_tokens():
     model = tiny(LlamaConfig)
     queries, mask = left_padded([1, 5, 6, 7], [1, 9, 10, 11, 12, 13, 14])
     gen = GenerationConfig(do_sample=False, max_new_tokens=6, **SPECIAL)
-    eager = ppo.decode_loop(model, queries, mask, gen)
+    eager = ppo.decode_loop(model, queries, mask, gen)[0]
     assert "decode_caches" not in model.__dict__  # eager: nothing kept between calls
     gen.compile_config = compile_config()
-    assert torch.equal(ppo.decode_loop(model, queries, mask, gen), eager)
+    assert torch.equal(ppo.decode_loop(model, queries, mask, gen)[0], eager)
     (cache,) = model.decode_caches.values()
     keys = cache.layers[0].keys.data_ptr()
-    assert torch.equal(ppo.decode_loop(model, queries.flip(0), mask.flip(0), gen), eager.flip(0))
+    assert torch.equal(ppo.decode_loop(model, queries.flip(0), mask.flip(0), gen)[0], eager.flip(0))
     assert list(model.decode_caches.values()) == [cache] and cache.layers[0].keys.data_ptr() == keys
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
@@ -309,7 +309,7 @@ def test_compiled_gpt2_gives_the_eager_tokens():
     gen = GenerationConfig(do_sample=False, max_new_tokens=6, **SPECIAL)
     expected = model.generate(input_ids=queries, attention_mask=mask, generation_config=gen)[:, queries.shape[1]:]
     gen.compile_config = compile_config()
-    assert torch.equal(ppo.decode_loop(model, queries, mask, gen), expected)
+    assert torch.equal(ppo.decode_loop(model, queries, mask, gen)[0], expected)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
@@ -327,7 +327,7 @@ def test_sliding_window_layers_decode_eagerly_under_compile_said_once(capsys):
         model = tiny(MistralConfig, vocab_size=len(tokenizer), sliding_window=window)
         expected = model.generate(input_ids=queries, attention_mask=mask,
                                   generation_config=GenerationConfig(**greedy.to_diff_dict()))[:, queries.shape[1]:]
-        responses, _, _ = ppo.generate(model, tokenizer, queries, greedy, [])
+        responses, _, _, _ = ppo.generate(model, tokenizer, queries, greedy, [])
         assert torch.equal(responses, ppo.cut_responses(tokenizer, expected.cpu(), [])[0]), window
     assert capsys.readouterr().out == ("--compile: MistralForCausalLM keeps a sliding window (or another cache than a "
                                        "plain static one) in some layer, which the compiled decode step cannot take: "
@@ -342,6 +342,6 @@ def test_sampling_never_draws_a_token_of_probability_zero(monkeypatch):
     gen = GenerationConfig(do_sample=True, top_k=2, temperature=1.0)
     seen = torch.zeros(2, 0, dtype=torch.long)
     monkeypatch.setattr(torch, "rand", lambda *shape, **kw: torch.zeros(*shape, **kw))
-    assert ppo.next_token(logits, seen, gen, 0).tolist() == [2, 3]  # the last kept token of each row
+    assert ppo.next_token(logits, seen, gen, 0)[0].tolist() == [2, 3]  # the last kept token of each row
     monkeypatch.setattr(torch, "rand", lambda *shape, **kw: torch.full(shape, 1 - 2 ** -24, **kw))  # rand's largest
-    assert ppo.next_token(logits, seen, gen, 0).tolist() == [0, 1]  # the first kept token of each row
+    assert ppo.next_token(logits, seen, gen, 0)[0].tolist() == [0, 1]  # the first kept token of each row

@@ -78,8 +78,8 @@ def test_decode_loop_under_bf16_autocast_with_fp32_weights():
     compiled.compile_config = transformers.CompileConfig(fullgraph=True, dynamic=False)
     with torch.no_grad(), ppo.autocast("bf16", torch.device("cpu")):
         expected = model.generate(input_ids=queries, attention_mask=mask, generation_config=gen)[:, queries.shape[1]:]
-        assert torch.equal(ppo.decode_loop(model, queries, mask, gen), expected)
-        assert torch.equal(ppo.decode_loop(model, queries, mask, compiled), expected)
+        assert torch.equal(ppo.decode_loop(model, queries, mask, gen)[0], expected)
+        assert torch.equal(ppo.decode_loop(model, queries, mask, compiled)[0], expected)
     (cache,) = model.decode_caches.values()
     assert (cache.layers[0].keys.dtype, cache.layers[0].values.dtype) == (torch.float32, torch.bfloat16)
 

@@ -1,6 +1,7 @@
 """Issue 13's review findings that are about what the scripts and the docs tell the user: the evaluation set of the
 built-in task, the note on sampling filters, and the size of RLOO's per-token loss against TRL's sequence loss."""
 
+import json
 import re
 import textwrap
 
@@ -28,21 +29,29 @@ def test_builtin_evaluation_sums_are_the_training_prompts_and_no_page_calls_them
         assert "held-out sums" not in text and "held out sums" not in text
 
 
-def test_sampling_filters_are_named_off_policy_in_help_and_at_start(tmp_path):
+def test_sampling_filters_are_on_policy_and_only_the_others_are_named_off_policy(tmp_path):
+    """top-k, top-p and min-p: the update's logprobs use the sampler's support, so a run logs a sampler-trainer
+    difference at float noise and prints no note; a repetition penalty and a minimum length stay off-policy, said."""
     assert ppo.off_policy_note(ppo.GenArgs()) == ""
-    note = ppo.off_policy_note(ppo.GenArgs(top_k=5, repetition_penalty=1.2))
-    assert "--top-k 5" in note and "--repetition-penalty 1.2" in note and "off-policy" in note
-    assert "--top-p" not in note
+    note = ppo.off_policy_note(ppo.GenArgs(min_new_tokens=2, repetition_penalty=1.2))
+    assert "--min-new-tokens 2" in note and "--repetition-penalty 1.2" in note and "off-policy" in note
     for script in ("ppo.py", "rloo.py"):
-        help_text = run_script(script, "--help").stdout
-        for flag in ("--top-k", "--top-p", "--min-p", "--repetition-penalty", "--min-new-tokens"):
-            block = help_text[help_text.index(flag):][:400]
-            assert "off-policy" in block, f"{script} --help: {flag} does not say it is off-policy"
-        filtered = run_script(script, *TINY, "--top-k", "3", "--output-dir", tmp_path / script, *(
+        help_text = " ".join(run_script(script, "--help").stdout.replace("│", " ").split())  # one line of words
+        for flag, words in (("--top-k", "on-policy"), ("--top-p", "on-policy"), ("--min-p", "same support"),
+                            ("--repetition-penalty", "off-policy"), ("--min-new-tokens", "off-policy")):
+            block = help_text[re.search(f"{flag} [A-Z]", help_text).start():][:300]  # the flag's own entry
+            assert words in block, f"{script} --help: {flag} does not say {words}"
+        filtered = run_script(script, *TINY, "--top-k", "3", "--top-p", "0.9", "--output-dir", tmp_path / script, *(
             ["--rloo-k", "2"] if script == "rloo.py" else []))
         assert filtered.returncode == 0, filtered.stderr[-2000:]
-        lines = [line for line in filtered.stdout.splitlines() if "off-policy" in line]
-        assert len(lines) == 1 and "--top-k 3" in lines[0], filtered.stdout[-2000:]
+        assert "off-policy" not in filtered.stdout, filtered.stdout[-2000:]
+        rows = [json.loads(line) for line in (tmp_path / script / "metrics.jsonl").read_text().splitlines()[1:]]
+        assert all(r["sampling/sampling_logp_difference/max"] < 1e-4 for r in rows), rows
+        assert all(abs(r["sampling/importance_sampling_ratio/mean"] - 1) < 1e-4 for r in rows), rows
+        penalised = run_script(script, *TINY, "--repetition-penalty", "1.3", "--output-dir", tmp_path / "p", *(
+            ["--rloo-k", "2"] if script == "rloo.py" else []))
+        lines = [line for line in penalised.stdout.splitlines() if "off-policy" in line]
+        assert len(lines) == 1 and "--repetition-penalty 1.3" in lines[0], penalised.stdout[-2000:]
 
 
 def sequence_level_loss(logprobs: torch.Tensor, old: torch.Tensor, train: torch.Tensor, adv: torch.Tensor):
@@ -71,7 +80,7 @@ def test_per_token_loss_agrees_with_the_sequence_loss_in_direction_and_differs_b
             p.copy_(b)
     valid = responses != pad
     logprobs, _ = rloo.shared_prefix_logprobs(policy, queries, responses, valid, pad, 1.0)
-    advantages, _ = rloo.rloo_advantages(rewards, k)
+    advantages, _ = rloo.group_advantages(rewards, k, "leave_one_out", "none")
     policy.zero_grad()
     sequence_level_loss(logprobs, logprobs.detach(), valid, advantages).backward()
     sequence = torch.cat([p.grad.flatten() for p in policy.parameters()])

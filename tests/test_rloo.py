@@ -11,11 +11,12 @@ import rloo
 
 def test_leave_one_out_baselines_k2_and_k4_hand_computed():
     # k = 2: the baseline of each sample is the other sample's reward
-    adv, base = rloo.rloo_advantages(torch.tensor([1.0, 3.0, 0.5, 0.5]), k=2)
+    adv, base = rloo.group_advantages(torch.tensor([1.0, 3.0, 0.5, 0.5]), 2, "leave_one_out", "none")
     torch.testing.assert_close(base, torch.tensor([3.0, 1.0, 0.5, 0.5]))
     torch.testing.assert_close(adv, torch.tensor([-2.0, 2.0, 0.0, 0.0]))
     # k = 4: prompt 0 has rewards 1, 2, 3, 6 (sum 12): baselines 11/3, 10/3, 3, 2; prompt 1 is all equal
-    adv, base = rloo.rloo_advantages(torch.tensor([1.0, 2.0, 3.0, 6.0, 0.7, 0.7, 0.7, 0.7]), k=4)
+    rewards = torch.tensor([1.0, 2.0, 3.0, 6.0, 0.7, 0.7, 0.7, 0.7])
+    adv, base = rloo.group_advantages(rewards, 4, "leave_one_out", "none")
     torch.testing.assert_close(base, torch.tensor([11 / 3, 10 / 3, 3.0, 2.0, 0.7, 0.7, 0.7, 0.7]))
     torch.testing.assert_close(adv, torch.tensor([1 - 11 / 3, 2 - 10 / 3, 0.0, 4.0, 0.0, 0.0, 0.0, 0.0]))
     assert adv.view(2, 4).sum(1).abs().max() < 1e-6  # leave-one-out advantages sum to zero per prompt
@@ -82,12 +83,13 @@ def batch(tokenizer, prompts=4, k=4):
 EXPECTED = {"objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
             "objective/scores", "policy/approxkl_avg", "policy/clipfrac_avg", "policy/entropy_avg", "loss/policy_avg",
             "loss/kl_avg", "val/ratio", "val/ratio_var", "val/num_eos_tokens", "val/response_length",
-            "rloo/baseline_avg", "rloo/advantage_std", "rloo/frac_equal_groups", "loss/nonfinite_skipped"}
+            "policy/clipfrac_low_avg", "policy/clipfrac_high_avg", "val/truncated_frac", "rloo/baseline_avg",
+            "rloo/advantage_std", "rloo/frac_equal_groups", "loss/nonfinite_skipped"}
 
 
 @pytest.mark.parametrize("hp", [rloo.RLOOHParams(), rloo.RLOOHParams(kl_in_reward=False, kl_estimator="k3"),
                                 rloo.RLOOHParams(num_ppo_epochs=2, num_mini_batches=2, gradient_accumulation_steps=2,
-                                                 normalize_advantages=True)])
+                                                 scale_rewards="batch")])
 def test_rloo_step_changes_parameters_and_returns_finite_metrics(hp):
     tokenizer, policy, ref, optimizer = make_models()
     queries, responses = batch(tokenizer)
