@@ -46,7 +46,8 @@ RL_LOGGED = ["objective/kl", "objective/entropy", "objective/non_score_reward", 
              "val/ratio", "val/ratio_var", "val/num_eos_tokens", "val/response_length", "loss/nonfinite_skipped"]
 LOGGED = {"sft": ["loss", "token_accuracy", "nonfinite_skipped"],
           "ppo": [*RL_LOGGED, "loss/value_avg", "val/clipfrac_avg"],
-          "rloo": [*RL_LOGGED, "loss/kl_avg", "rloo/baseline_avg", "rloo/advantage_std", "rloo/frac_equal_groups"],
+          "rloo": [*RL_LOGGED, "loss/kl_avg", "rloo/baseline_avg", "rloo/advantage_std", "rloo/frac_equal_groups",
+                   "policy/clipfrac_low_avg", "policy/clipfrac_high_avg", "val/truncated_frac"],
           "prm": ["train/loss", "train/step_accuracy", "train/pad_fraction", "train/tokens", "train/nonfinite_skipped"]}
 EVAL_METRICS = ["task/accuracy", "eval/scores"]
 COUNTS = ("val/num_eos_tokens", "train/tokens")  # per-process counts: summed over processes, the other metrics averaged
@@ -326,9 +327,8 @@ def main(args: Args) -> None:
         start, elapsed, sched, failures = state["step"] + 1, state["elapsed"], state["schedule"], state["failures"]
         data, recent, run_name = state["data"], state["recent"], state["run_name"]
     metrics_path, run = ppo.open_run(args, output_dir, start, run_name) if rank == 0 else (None, None)
-    hps = {p: getattr(args, p).hp for p in rl}
     samplers = {p: ppo.generation_configs(args.gen, tokenizer, hp.temperature, hp.top_k, hp.top_p, hp.min_p)[0]
-                for p, hp in hps.items()}
+                for p, hp in ((p, getattr(args, p).hp) for p in rl)}
     greedy = ppo.generation_configs(args.gen, tokenizer, 1.0)[1]
 
     def evaluate() -> tuple[dict, list]:

@@ -118,7 +118,8 @@ def sampling(args) -> None:
         mean = statistics.mean(r["sampling/sampling_logp_difference/mean"] for r in rows)
         largest = max(r["sampling/sampling_logp_difference/max"] for r in rows)
         # the trained model's samples: their logprobs on the sampler's support and on the full softmax
-        tokenizer, model = AutoTokenizer.from_pretrained(out / "model"), AutoModelForCausalLM.from_pretrained(out / "model")
+        tokenizer = AutoTokenizer.from_pretrained(out / "model")
+        model = AutoModelForCausalLM.from_pretrained(out / "model")
         prompts = [rloo.render_prompt(tokenizer, r["prompt"]) for r in rloo.addition_eval_rows()]
         queries = rloo.left_pad(prompts, tokenizer.pad_token_id)
         sample, _ = rloo.generation_configs(rloo.GenArgs(max_new_tokens=4), tokenizer, 1.0, top_k=3, top_p=0.9)

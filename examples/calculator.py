@@ -300,7 +300,8 @@ def demo_batch(tokenizer, tasks: list[dict], styles: list[str]) -> dict[str, tor
 
 def evaluate(policy, tokenizer, tasks: list[dict], greedy: GenerationConfig, max_calls: int, tool: bool,
              prefix: str) -> tuple[dict, list]:
-    """Greedy episodes on the held-out tasks: accuracy, calls and tool errors per episode, and a few samples."""
+    """Greedy episodes on the held-out tasks: accuracy, calls and tool errors per episode, and every episode's
+    prompt, completion and score."""
     episodes = []
     for i in range(0, len(tasks), 100):
         chunk = tasks[i:i + 100]
@@ -310,7 +311,8 @@ def evaluate(policy, tokenizer, tasks: list[dict], greedy: GenerationConfig, max
                f"{prefix}/calls": sum(ep.calls for ep in episodes) / n,
                f"{prefix}/errors": sum(ep.errors for ep in episodes) / n,
                f"{prefix}/answered": sum(ep.answer is not None for ep in episodes) / n}
-    samples = [[prompt(t, tool), tokenizer.decode(ep.ids), reward(ep, t)] for ep, t in zip(episodes[:8], tasks)]
+    samples = [{"prompt": prompt(t, tool), "completion": tokenizer.decode(ep.ids), "score": reward(ep, t)}
+               for ep, t in zip(episodes, tasks)]  # every episode, as log_row writes them to samples.jsonl
     return metrics, samples
 
 

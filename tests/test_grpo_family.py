@@ -284,8 +284,8 @@ def recipe_table() -> dict[str, str]:
     table = text[text.index("| Name | Flags |"):].split("\n\n")[0].splitlines()[2:]
     rows = {}
     for line in table:
-        cells = [c.strip() for c in line.strip("|").split("|")]
-        rows[cells[0].strip("`")] = cells[1].strip("`")
+        name, flags = [cell.strip() for cell in line.strip("|").split("|")][:2]
+        rows[name.strip("`")] = flags.split("`")[1] if flags.startswith("`") else ""  # the flags in backticks, or none
     return rows
 
 
