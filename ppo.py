@@ -315,6 +315,7 @@ def ppo_step(policy, value_model, ref_policy, optimizer, queries: torch.Tensor, 
     device = next(policy.parameters()).device
     queries, responses, rewards = queries.to(device), responses.to(device), rewards.to(device).float()
     support = (hp.top_k, hp.top_p, hp.min_p)  # the sampler's filters: the policy's logprobs use them, not the KL's ref
+    sampler_logprobs = None if sampler_logprobs is None else sampler_logprobs.to(device)  # [B, T], moved once
 
     # 1. Masks: `valid` is the response itself (padding excluded), `train` the valid tokens not masked out.
     valid = response_valid_mask(responses, pad_token_id, eos_token_id, None if masks is None else masks.to(device))
@@ -386,7 +387,7 @@ def ppo_step(policy, value_model, ref_policy, optimizer, queries: torch.Tensor, 
                 pg_losses = torch.max(-advantages[i] * ratio,
                                       -advantages[i] * ratio.clamp(1 - hp.cliprange, 1 + hp.cliprange))
                 if hp.sampler_correction_cap is not None and sampler_logprobs is not None:
-                    weight = (old_logprobs[i] - sampler_logprobs.to(device)[i]).exp()  # [b, T], truncated at the cap
+                    weight = (old_logprobs[i] - sampler_logprobs[i]).exp()  # [b, T], truncated at the cap
                     pg_losses = pg_losses * weight.clamp(max=hp.sampler_correction_cap)
                 loss = (pg_losses * train[i]).sum() / n_train + hp.vf_coef * vf_loss
                 if hp.ent_coef > 0:
@@ -420,7 +421,7 @@ def ppo_step(policy, value_model, ref_policy, optimizer, queries: torch.Tensor, 
         "val/num_eos_tokens": eos.sum().item(),
         "val/response_length": valid.sum(1).float().mean().item(),
         "loss/nonfinite_skipped": float(skipped),
-        **({} if sampler_logprobs is None else sampler_metrics(old_logprobs, sampler_logprobs.to(device), train)),
+        **({} if sampler_logprobs is None else sampler_metrics(old_logprobs, sampler_logprobs, train)),
     }
 
 

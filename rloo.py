@@ -371,6 +371,7 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
         raise ValueError("the k samples of each prompt must be contiguous and share one query")
     queries = queries[::k] if queries.shape[0] == B else queries  # [P, Lq]
     support = (hp.top_k, hp.top_p, hp.min_p)  # the sampler's filters: the policy's logprobs use them, not the KL's ref
+    sampler_logprobs = None if sampler_logprobs is None else sampler_logprobs.to(device)  # [B, T], moved once
     high = hp.cliprange if hp.epsilon_high is None else hp.epsilon_high
 
     # 1. Masks: `valid` is the response itself (padding excluded), `train` the valid tokens not masked out, `in_loss`
@@ -448,7 +449,7 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
                 adv = advantages[i, None]  # [b, 1]
                 pg_losses = torch.max(-adv * ratio, -adv * ratio.clamp(1 - hp.cliprange, 1 + high))  # [b, T]
                 if hp.sampler_correction_cap is not None and sampler_logprobs is not None:
-                    weight = (old_logprobs[i] - sampler_logprobs.to(device)[i]).exp()  # [b, T], truncated at the cap
+                    weight = (old_logprobs[i] - sampler_logprobs[i]).exp()  # [b, T], truncated at the cap
                     pg_losses = pg_losses * weight.clamp(max=hp.sampler_correction_cap)
                 kl_losses = kl_of(new_logprobs, i)  # [b, T]
                 token_losses = pg_losses if hp.kl_in_reward else pg_losses + hp.kl_coef * kl_losses
@@ -488,7 +489,7 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
         "rloo/advantage_std": advantage_std.item(),
         "rloo/frac_equal_groups": equal_groups.item(),
         "loss/nonfinite_skipped": float(skipped),
-        **({} if sampler_logprobs is None else sampler_metrics(old_logprobs, sampler_logprobs.to(device), train)),
+        **({} if sampler_logprobs is None else sampler_metrics(old_logprobs, sampler_logprobs, train)),
     }
 
 

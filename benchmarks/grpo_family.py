@@ -91,11 +91,10 @@ def real(args) -> None:
     print("| configuration | before | after | minutes |")
     print("| --- | --- | --- | --- |")
     for name in args.names:
-        batch = ["--batch-size", "32"]
         rows = run_script(["rloo.py", name, "--model", str(model), "--dataset", str(data), "--dataset-split", "train",
                            "--eval-split", "test", "--num-eval-prompts", str(real_model.NUM_TEST), "--reward-fn",
                            f"{data / 'reward.py'}:score", "--max-new-tokens", str(real_model.MAX_NEW_TOKENS),
-                           "--total-episodes", str(args.real_episodes), *batch, "--learning-rate", "2e-5",
+                           "--total-episodes", str(args.real_episodes), "--batch-size", "32", "--learning-rate", "2e-5",
                            "--eval-every", "1000"], args.out / f"real-{name}", threads=2)
         first, last = evals(rows)[0], evals(rows)[-1]
         print(f"| `{name}` | {first['task/accuracy']:.3f} | {last['task/accuracy']:.3f} | "
