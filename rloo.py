@@ -424,7 +424,7 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
         advantages, baselines = group_advantages(sequence_rewards, k, hp.baseline, hp.scale_rewards)
         n = global_sum(torch.tensor(float(B), device=device))
         advantage_std = torch.sqrt(global_sum((advantages ** 2).sum()) / n)  # the advantages have mean 0 per prompt
-        equal_groups = (sequence_rewards.view(P, k) == sequence_rewards.view(P, k)[:, :1]).all(1).float().mean()
+        equal_groups = (scores.view(P, k) == scores.view(P, k)[:, :1]).all(1).float().mean()  # no task signal
 
     # 5. Clipped policy-gradient epochs over shuffled mini-batches of whole prompts; the sequence advantage weights
     # every trained token; the token losses become one as hp.loss_type says.

@@ -110,6 +110,10 @@ def test_all_equal_groups_give_no_update_signal():
                              hp=rloo.RLOOHParams(kl_coef=0.0), pad_token_id=tokenizer.pad_token_id)
     assert metrics["rloo/frac_equal_groups"] == 1.0 and metrics["rloo/advantage_std"] == 0.0
     assert metrics["loss/policy_avg"] == 0.0
+    # with the KL in the reward the sequence rewards differ, but the groups' scores, the task's signal, are still equal
+    metrics = rloo.rloo_step(policy, ref, optimizer, queries, responses, rewards, hp=rloo.RLOOHParams(),
+                             pad_token_id=tokenizer.pad_token_id)
+    assert metrics["rloo/frac_equal_groups"] == 1.0 and metrics["rloo/advantage_std"] > 0.0
 
 
 def test_masked_tokens_get_no_gradient():
