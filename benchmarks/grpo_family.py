@@ -2,7 +2,7 @@
 gspo) on the built-in task at several seeds, on the real pretrained model of benchmarks/real_model.py, and the
 sampler-trainer logprob difference of filtered sampling in fp32 and bf16.
 
-    python benchmarks/grpo_family.py --part builtin     # 6 configurations x 3 seeds, two runs at a time (~15 min)
+    python benchmarks/grpo_family.py --part builtin     # 6 configurations x 3 seeds, two runs at a time (~90 min)
     python benchmarks/grpo_family.py --part real        # 6 configurations on SmolLM2-135M-Instruct, one seed (~40 min)
     python benchmarks/grpo_family.py --part sampling    # rloo.py --top-k 3 --top-p 0.9, fp32 and bf16 (~3 min)
 
@@ -29,9 +29,12 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 NAMES = ["rloo", "trl_rloo", "grpo", "dr_grpo", "dapo", "gspo"]
 
 
-def run_script(args: list[str], out: Path, threads: int = 1) -> list[dict]:
-    """python <args> --output-dir out, its output to out/log.txt; the metrics rows (stops on a failure)."""
+def run_script(args: list[str], out: Path, threads: int = 1, reuse: bool = False) -> list[dict]:
+    """python <args> --output-dir out, its output to out/log.txt; the metrics rows (stops on a failure). reuse: a
+    folder that already holds the run's final model is read, not run again."""
     out.mkdir(parents=True, exist_ok=True)
+    if reuse and (out / "model").is_dir():
+        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     with open(out / "log.txt", "w") as log:
         code = subprocess.run([sys.executable, *args, "--output-dir", str(out)], cwd=ROOT, env=env, stdout=log,
@@ -50,7 +53,7 @@ def builtin(args) -> None:
     with ThreadPoolExecutor(args.parallel) as pool:
         results = dict(zip(jobs, pool.map(lambda job: run_script(
             ["rloo.py", job[0], "--seed", str(job[1]), "--total-episodes", str(args.episodes), "--eval-every", "10"],
-            args.out / f"{job[0]}-{job[1]}"), jobs)))
+            args.out / f"{job[0]}-{job[1]}", reuse=args.reuse), jobs)))
     print(f"\nbuilt-in task, {args.episodes:,} episodes, seeds {args.seeds}")
     print("| configuration | final accuracy per seed | mean | episodes to 0.9 per seed |")
     print("| --- | --- | --- | --- |")
@@ -95,7 +98,7 @@ def real(args) -> None:
                            "--eval-split", "test", "--num-eval-prompts", str(real_model.NUM_TEST), "--reward-fn",
                            f"{data / 'reward.py'}:score", "--max-new-tokens", str(real_model.MAX_NEW_TOKENS),
                            "--total-episodes", str(args.real_episodes), "--batch-size", "32", "--learning-rate", "2e-5",
-                           "--eval-every", "1000"], args.out / f"real-{name}", threads=2)
+                           "--eval-every", "1000"], args.out / f"real-{name}", threads=2, reuse=args.reuse)
         first, last = evals(rows)[0], evals(rows)[-1]
         print(f"| `{name}` | {first['task/accuracy']:.3f} | {last['task/accuracy']:.3f} | "
               f"{last['elapsed_s'] / 60:.1f} |", flush=True)
@@ -139,6 +142,7 @@ def main() -> None:
     parser.add_argument("--episodes", type=int, default=256_000, help="built-in task: episodes per run")
     parser.add_argument("--real-episodes", type=int, default=640, help="real model: episodes per run")
     parser.add_argument("--parallel", type=int, default=2, help="built-in runs at a time (one thread each)")
+    parser.add_argument("--reuse", action="store_true", help="read the runs already finished in --out")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "grpo_family")
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "img" / "grpo_family.png")
     args = parser.parse_args()
