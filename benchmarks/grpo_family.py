@@ -2,7 +2,7 @@
 gspo) on the built-in task at several seeds, on the real pretrained model of benchmarks/real_model.py, and the
 sampler-trainer logprob difference of filtered sampling in fp32 and bf16.
 
-    python benchmarks/grpo_family.py --part builtin     # 6 configurations x 3 seeds, two runs at a time (~90 min)
+    python benchmarks/grpo_family.py --part builtin     # 6 configurations x 3 seeds, two runs at a time (~21 min)
     python benchmarks/grpo_family.py --part real        # 6 configurations on SmolLM2-135M-Instruct, one seed (~40 min)
     python benchmarks/grpo_family.py --part sampling    # rloo.py --top-k 3 --top-p 0.9, fp32 and bf16 (~3 min)
 
