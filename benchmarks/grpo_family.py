@@ -33,14 +33,13 @@ def run_script(args: list[str], out: Path, threads: int = 1, reuse: bool = False
     """python <args> --output-dir out, its output to out/log.txt; the metrics rows (stops on a failure). reuse: a
     folder that already holds the run's final model is read, not run again."""
     out.mkdir(parents=True, exist_ok=True)
-    if reuse and (out / "model").is_dir():
-        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    with open(out / "log.txt", "w") as log:
-        code = subprocess.run([sys.executable, *args, "--output-dir", str(out)], cwd=ROOT, env=env, stdout=log,
-                              stderr=subprocess.STDOUT).returncode
-    if code != 0:
-        sys.exit(f"{' '.join(args)} failed; see {out / 'log.txt'}")
+    if not (reuse and (out / "model").is_dir()):
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        with open(out / "log.txt", "w") as log:
+            code = subprocess.run([sys.executable, *args, "--output-dir", str(out)], cwd=ROOT, env=env, stdout=log,
+                                  stderr=subprocess.STDOUT).returncode
+        if code != 0:
+            sys.exit(f"{' '.join(args)} failed; see {out / 'log.txt'}")
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 

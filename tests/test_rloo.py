@@ -110,7 +110,13 @@ def test_all_equal_groups_give_no_update_signal():
                              hp=rloo.RLOOHParams(kl_coef=0.0), pad_token_id=tokenizer.pad_token_id)
     assert metrics["rloo/frac_equal_groups"] == 1.0 and metrics["rloo/advantage_std"] == 0.0
     assert metrics["loss/policy_avg"] == 0.0
-    # with the KL in the reward the sequence rewards differ, but the groups' scores, the task's signal, are still equal
+
+
+def test_equal_groups_are_counted_on_scores_with_the_kl_in_the_reward():
+    # the KL terms make the sequence rewards differ, but the groups' scores, the task's signal, are still all equal
+    tokenizer, policy, ref, optimizer = make_models()
+    queries, responses = batch(tokenizer)
+    rewards = torch.tensor([1.0] * 4 + [0.0] * 4 + [0.5] * 4 + [2.0] * 4)
     metrics = rloo.rloo_step(policy, ref, optimizer, queries, responses, rewards, hp=rloo.RLOOHParams(),
                              pad_token_id=tokenizer.pad_token_id)
     assert metrics["rloo/frac_equal_groups"] == 1.0 and metrics["rloo/advantage_std"] > 0.0
