@@ -304,7 +304,8 @@ def main(args: Args) -> None:
         return torch.optim.AdamW(ppo.trainable(*mods), lr=1e-3, eps=1e-5)
 
     defaults = DEFAULT_LR_BUILTIN if args.model == "builtin" else DEFAULT_LR_PRETRAINED
-    lrs = {p: getattr(args, p).turn.learning_rate or defaults[p] for p in args.phases}
+    lrs = {p: defaults[p] if getattr(args, p).turn.learning_rate is None else getattr(args, p).turn.learning_rate
+           for p in args.phases}
     # 2. One AdamW for the policy's phases (each step sets its phase's learning rate), or one per phase.
     value = [models["value"]] if "value" in models else []
     shared = adamw(policy, *value)
@@ -536,6 +537,8 @@ def check_args(args: Args) -> bool:
     for p in [p for p in args.phases if p in ("ppo", "rloo")]:
         with phase_flags(p):
             builtin = ppo.check_task(getattr(args, p).task) and builtin
+        if getattr(args, p).hp.temperature <= 0:
+            fail(f"--{p}.temperature", getattr(args, p).hp.temperature, "must be > 0: the logits are divided by it")
     if "rloo" in args.phases:
         try:
             kl_estimator_for(args.rloo.hp)

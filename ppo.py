@@ -132,7 +132,7 @@ class Args:
     batch_size: int = 256
     """responses per iteration, over all processes"""
     learning_rate: float | None = None
-    """AdamW learning rate (None: 1e-3 for the built-in model, 3e-6 for any other)"""
+    """AdamW learning rate (None: 1e-3 for the built-in model, 3e-6 for any other; 0 trains nothing)"""
     anneal_lr: bool = True
     """decay the learning rate linearly to 0"""
     eval_every: int = 25
@@ -211,19 +211,23 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
                    with_entropy: bool = False, entropy_grad: bool = False) -> tuple:
     """Logprobs [B, T] of tokens [B, T] under logits [B, T, V] as the sampler drew them: divided by the temperature
     and, with support = (top_k, top_p, min_p) set, renormalised over the tokens those filters keep (filter_logits;
-    each sampled token stays inside), so that filtered sampling is on-policy; and the entropy [B, T] of that
-    distribution, differentiable only if entropy_grad. The logprob is the gathered logit minus the logsumexp: no
-    [B, T, V] log-softmax is kept."""
+    each sampled token stays inside), so that filtered sampling is on-policy; the entropy [B, T] of that
+    distribution (None unless with_entropy), differentiable only if entropy_grad; and the logprobs [B, T] under the
+    full softmax at the temperature, which the KL compares with the reference's (the same tensor without filters).
+    Each logprob is the gathered logit minus a logsumexp: no [B, T, V] log-softmax is kept."""
     logits = logits.float() / temperature  # [B, T, V]
+    picked = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # [B, T]: inside every support (keep=tokens)
+    lse = logits.logsumexp(-1)  # [B, T]
+    full = picked - lse
     if tuple(support) != (0, 1.0, 0.0):
         logits = filter_logits(logits, *support, keep=tokens)
-    lse = logits.logsumexp(-1)  # [B, T]
-    logprobs = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse
+        lse = logits.logsumexp(-1)
+    logprobs = picked - lse
     if not with_entropy:
-        return logprobs, None
+        return logprobs, None, full
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         kept = logits.masked_fill(logits == -float("inf"), 0.0)  # filtered tokens: probability 0, no term
-        return logprobs, lse - (logits.softmax(-1) * kept).sum(-1)
+        return logprobs, lse - (logits.softmax(-1) * kept).sum(-1), full
 
 
 def sampler_metrics(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor) -> dict:
@@ -251,8 +255,8 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float) -
 
 def response_logprobs(policy, input_ids, attention_mask, responses: torch.Tensor, temperature: float,
                       support: tuple = (0, 1.0, 0.0), with_entropy: bool = False, entropy_grad: bool = False) -> tuple:
-    """token_logprobs' logprobs [B, T] and entropy [B, T] of the response tokens, from logits at response positions
-    only; support (top_k, top_p, min_p) as the sampler's."""
+    """token_logprobs' triple (logprobs, entropy, full-softmax logprobs; [B, T] each) of the response tokens, from
+    logits at response positions only; support (top_k, top_p, min_p) as the sampler's."""
     logits = policy(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask),
                     logits_to_keep=responses.shape[1] + 1).logits[:, :-1]  # [B, T, V]
     return token_logprobs(logits, responses, temperature, support, with_entropy, entropy_grad)
@@ -314,7 +318,7 @@ def ppo_step(policy, value_model, ref_policy, optimizer, queries: torch.Tensor, 
     refuse_dropout(policy=policy, value_model=value_model, ref_policy=ref_policy)
     device = next(policy.parameters()).device
     queries, responses, rewards = queries.to(device), responses.to(device), rewards.to(device).float()
-    support = (hp.top_k, hp.top_p, hp.min_p)  # the sampler's filters: the policy's logprobs use them, not the KL's ref
+    support = (hp.top_k, hp.top_p, hp.min_p)  # the sampler's filters: the ratios use them; the KL the full softmax
     sampler_logprobs = None if sampler_logprobs is None else sampler_logprobs.to(device)  # [B, T], moved once
 
     # 1. Masks: `valid` is the response itself (padding excluded), `train` the valid tokens not masked out.
@@ -326,12 +330,13 @@ def ppo_step(policy, value_model, ref_policy, optimizer, queries: torch.Tensor, 
 
     # 2. Rollout forward passes: reference logprobs without gradients, in chunks; the policy's old logprobs and
     # the old values the same way, unless the update is one mini-batch without accumulation: then the first
-    # epoch's forward pass (with gradients) is the rollout's, and it is kept rather than done twice.
-    def forward(i) -> tuple:  # the update's forward pass, with gradients: logprobs, entropy and values of rows i
+    # epoch's forward pass (with gradients) is the rollout's, and it is kept rather than done twice. The KL compares
+    # both models' full softmax, filters or not (token_logprobs): 0 at identical weights, finite for every token.
+    def forward(i) -> tuple:  # the update's forward pass, with gradients: logprobs, entropy, values, full logprobs
         with autocast(hp.dtype, device):
-            logprobs, entropy = response_logprobs(policy, input_ids[i], attention_mask[i], responses[i], hp.temperature,
-                                                  support, True, hp.ent_coef > 0)
-            return logprobs, entropy, response_values(value_model, input_ids[i], attention_mask[i], T)
+            logprobs, entropy, full = response_logprobs(policy, input_ids[i], attention_mask[i], responses[i],
+                                                        hp.temperature, support, True, hp.ent_coef > 0)
+            return logprobs, entropy, response_values(value_model, input_ids[i], attention_mask[i], T), full
 
     fused = hp.num_mini_batches == 1 and hp.gradient_accumulation_steps == 1
     first = forward(slice(None)) if fused else None  # [B, T] each
@@ -342,15 +347,16 @@ def ppo_step(policy, value_model, ref_policy, optimizer, queries: torch.Tensor, 
             ref_logprobs = torch.cat([response_logprobs(ref_model, input_ids[c], attention_mask[c], responses[c],
                                                         hp.temperature)[0] for c in chunks])
         if fused:
-            old_logprobs, old_values = first[0].detach(), first[2].detach() * valid
+            old_logprobs, old_values, old_full = first[0].detach(), first[2].detach() * valid, first[3].detach()
         else:
-            old_logprobs = torch.cat([response_logprobs(policy, input_ids[c], attention_mask[c], responses[c],
-                                                        hp.temperature, support)[0] for c in chunks])
+            old = [response_logprobs(policy, input_ids[c], attention_mask[c], responses[c], hp.temperature, support)
+                   for c in chunks]
+            old_logprobs, old_full = torch.cat([o[0] for o in old]), torch.cat([o[2] for o in old])
             old_values = torch.cat([response_values(value_model, input_ids[c], attention_mask[c], T)
                                     for c in chunks]) * valid
 
         # 3. Per-token rewards: -kl_coef * KL on trained tokens, plus the score on the last token of the response.
-        kl = kl_penalty(old_logprobs, ref_logprobs, hp.kl_estimator) * train  # [B, T]
+        kl = kl_penalty(old_full, ref_logprobs, hp.kl_estimator) * train  # [B, T]
         non_score = -hp.kl_coef * kl
         last = (valid.sum(1) - 1).clamp(min=0)  # [B] index of the last response token
         if rewards.dim() == 1:  # one score per response: on its last token
@@ -377,7 +383,7 @@ def ppo_step(policy, value_model, ref_policy, optimizer, queries: torch.Tensor, 
             n_valid = global_sum(valid[mb].sum().float()).clamp(min=1) / world_size()
             bad = torch.zeros((), device=device)
             for i in mb.split(micro):
-                new_logprobs, entropy, new_values = (x[i] for x in first) if fused and epoch == 0 else forward(i)
+                new_logprobs, entropy, new_values, _ = (x[i] for x in first) if fused and epoch == 0 else forward(i)
                 v_clipped = old_values[i] + (new_values - old_values[i]).clamp(-hp.cliprange_value, hp.cliprange_value)
                 vf_unclipped, vf_clipped = (new_values - returns[i]) ** 2, (v_clipped - returns[i]) ** 2
                 vf_losses = torch.max(vf_unclipped, vf_clipped)
@@ -431,6 +437,8 @@ def main(args: Args) -> None:
     # ---- check the configuration before anything is loaded
     rank, world, device = setup_distributed()
     gen.max_new_tokens = gen.max_new_tokens or (4 if check_task(args.task) else 64)
+    if hp.temperature <= 0:
+        fail("--temperature", hp.temperature, "must be > 0: the logits are divided by it (evaluation is greedy anyway)")
     local_batch = args.batch_size // world
     if args.batch_size % world or local_batch % (hp.num_mini_batches * hp.gradient_accumulation_steps):
         fail("--batch-size", args.batch_size, f"must be divisible by {world} process(es) x --num-mini-batches "
@@ -455,7 +463,7 @@ def main(args: Args) -> None:
         load_weights(policy, ckpt / "policy", AutoModelForCausalLM)
         load_weights(value_model, ckpt / "value", AutoModelForTokenClassification)
     place([policy, ref_policy, value_model, task.reward_model, task.prm], device, args.fsdp, world)
-    lr = args.learning_rate or (1e-3 if args.model == "builtin" else 3e-6)
+    lr = (1e-3 if args.model == "builtin" else 3e-6) if args.learning_rate is None else args.learning_rate
     optimizer = torch.optim.AdamW(trainable(policy, value_model), lr=lr, eps=1e-5)
 
     state, start = resume_state(ckpt, optimizer, args.seed, rank, run_name)
@@ -921,14 +929,16 @@ def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
 def generation_configs(gen: GenArgs, tokenizer, temperature: float, top_k: int = 0, top_p: float = 1.0,
                        min_p: float = 0.0) -> tuple[GenerationConfig, GenerationConfig]:
     """The sampling configuration for rollouts and the greedy one for evaluation; the off-policy note, once, when
-    --min-new-tokens or --repetition-penalty is set."""
+    --min-new-tokens or --repetition-penalty is set. Every filter and penalty is set, off or on: `generate` fills an
+    unset one from the model's own generation_config, which the decode loop and the update never see."""
     if off_policy_note(gen) and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
         print_once(off_policy_note(gen))
-    common = dict(max_new_tokens=gen.max_new_tokens, min_new_tokens=gen.min_new_tokens or None,
+    common = dict(max_new_tokens=gen.max_new_tokens, min_new_tokens=gen.min_new_tokens or None, typical_p=1.0,
+                  epsilon_cutoff=0.0, eta_cutoff=0.0, no_repeat_ngram_size=0, encoder_repetition_penalty=1.0,
                   pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    sample = GenerationConfig(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p or None,
+    sample = GenerationConfig(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                               repetition_penalty=gen.repetition_penalty, **common)
-    return sample, GenerationConfig(do_sample=False, **common)
+    return sample, GenerationConfig(do_sample=False, repetition_penalty=1.0, **common)
 
 
 def off_policy_note(gen: GenArgs) -> str:
@@ -1082,22 +1092,32 @@ def print_once(message: str) -> None:
 @torch.no_grad()
 def generate(policy, tokenizer, queries: torch.Tensor, gen: GenerationConfig, stop_strings: list[str]) -> tuple:
     """Sample (or greedily decode) responses to left-padded queries; returns cut_responses' triple and the sampler's
-    logprobs [B, T] (None from `generate`). A model whose forward takes a key/value cache
-    object (`cache`: transformers' own causal LMs) decodes through decode_loop; any other through `generate` (said
-    once), where all processes keep stepping until every one is done (synced_gpus)."""
+    logprobs [B, T] (None from `generate`). A model whose forward takes a key/value cache object (takes_cache)
+    decodes through decode_loop; any other through `generate` (said once), where all processes keep stepping until
+    every one is done (synced_gpus)."""
     attention_mask = ((queries != tokenizer.pad_token_id).cumsum(1) > 0).long()  # left padding only
     Lq = queries.shape[1]
     stop = stop_check(tokenizer, stop_strings) if stop_strings else None
-    model = policy.get_base_model() if isinstance(policy, peft.PeftModel) else policy
-    if "cache" in inspect.signature(type(model).forward).parameters:
+    if takes_cache(policy):
         out, logprobs = decode_loop(policy, queries, attention_mask, gen, stop)
     else:
-        print_once(f"generation through model.generate: {type(model).__name__}'s forward takes no cache object")
+        print_once(f"generation through model.generate: {type(base_model(policy)).__name__}'s forward takes no cache "
+                   "object, so the sampler's logprobs are unknown: no sampling/* metrics, no --sampler-correction-cap")
         criteria = StoppingCriteriaList([lambda ids, scores, **kw: stop(ids[:, Lq:])]) if stop else None
         out = policy.generate(input_ids=queries, attention_mask=attention_mask, generation_config=gen,
                               stopping_criteria=criteria, synced_gpus=torch.distributed.is_initialized())[:, Lq:]
         logprobs = None
     return *cut_responses(tokenizer, out.cpu(), stop_strings), None if logprobs is None else logprobs.cpu()
+
+
+def base_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside peft's wrapper (the model itself without LoRA)."""
+    return model.get_base_model() if isinstance(model, peft.PeftModel) else model
+
+
+def takes_cache(model: torch.nn.Module) -> bool:
+    """Whether the model's forward takes a key/value cache object (`cache`: transformers' own causal LMs)."""
+    return "cache" in inspect.signature(type(base_model(model)).forward).parameters
 
 
 def cut_responses(tokenizer, responses: torch.Tensor, stop_strings: list[str]) -> tuple:
@@ -1234,7 +1254,7 @@ def evaluate(policy, tokenizer, task: Task, greedy: GenerationConfig, stop_strin
              world: int) -> tuple[dict, list]:
     """Greedy decoding on the task's fixed evaluation rows (split over processes): mean score and task/accuracy
     (the fraction reaching --success-threshold), and every completion (prompt, completion, score), gathered from all
-    processes."""
+    processes in the rows' order."""
     out = rollout(policy, tokenizer, task.eval_rows[rank::world], greedy, stop_strings, task)
     scores = out["scores"]  # [B]
     total = global_sum(torch.tensor([scores.sum(), (scores >= task.args.success_threshold).sum(), len(scores)],
@@ -1244,7 +1264,7 @@ def evaluate(policy, tokenizer, task: Task, greedy: GenerationConfig, stop_strin
     if world > 1:
         parts = [None] * world
         torch.distributed.all_gather_object(parts, samples)
-        samples = [s for part in parts for s in part]
+        samples = [parts[j % world][j // world] for j in range(sum(map(len, parts)))]  # row j: rank j % world's
     return {"eval/scores": total[0] / total[2], "task/accuracy": total[1] / total[2]}, samples
 
 
@@ -1320,7 +1340,7 @@ def shard(model: torch.nn.Module, mesh) -> torch.nn.Module:
     for module in model.modules():
         if type(module).__name__ in layers:
             fully_shard(module, mesh=mesh)
-    fully_shard(model.get_base_model() if isinstance(model, peft.PeftModel) else model, mesh=mesh)
+    fully_shard(base_model(model), mesh=mesh)
     return model
 
 
@@ -1409,9 +1429,17 @@ def refuse_dropout(**models: torch.nn.Module) -> None:
 
 def average_metrics(metrics: dict, device: torch.device, counts: tuple[str, ...] = ()) -> dict:
     """Each metric over all processes: the keys in `counts` (per-process counts, e.g. val/num_eos_tokens) summed,
-    every other key (means, and counts every process shares, e.g. loss/nonfinite_skipped) averaged."""
+    keys ending in /min and /max the minimum and maximum, every other key (means, and counts every process shares,
+    e.g. loss/nonfinite_skipped) averaged. Every process passes the same keys."""
     values = global_sum(torch.tensor(list(metrics.values()), dtype=torch.float64, device=device)).tolist()
-    return {k: v if k in counts else v / world_size() for k, v in zip(metrics, values)}
+    out = {k: v if k in counts else v / world_size() for k, v in zip(metrics, values)}
+    for suffix, op in (("/min", "MIN"), ("/max", "MAX")):
+        keys = [k for k in metrics if k.endswith(suffix)]
+        if keys and torch.distributed.is_initialized():
+            extreme = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=device)
+            torch.distributed.all_reduce(extreme, op=getattr(torch.distributed.ReduceOp, op))
+            out.update(zip(keys, extreme.tolist()))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------------

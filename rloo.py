@@ -86,8 +86,9 @@ class RLOOHParams:
     """clip range of the importance ratio (TRL's epsilon); matters when --num-ppo-epochs or --num-mini-batches > 1"""
     epsilon_high: float | None = None
     """clip the ratio to [1 - cliprange, 1 + epsilon_high] (DAPO's clip-higher; None: cliprange on both sides)"""
-    importance_sampling_level: Literal["token", "sequence"] = "token"
-    """token: a ratio per token; sequence: one per response, the exp of its mean token log-ratio (GSPO)"""
+    importance_sampling_level: Literal["token", "sequence", "sequence_sum"] = "token"
+    """token: a ratio per token; sequence: one per response, the exp of its mean token log-ratio (GSPO);
+    sequence_sum: of its summed token log-ratios, the response's probability ratio (TRL's RLOOTrainer)"""
     mask_truncated_completions: bool = False
     """no loss for responses that end with neither EOS nor a stop string (they still count in their group's baseline)"""
     temperature: float = 1.0
@@ -144,7 +145,7 @@ class Args:
     batch_size: int = 256
     """responses per iteration over all processes: batch_size / rloo_k prompts, rloo_k samples each"""
     learning_rate: float | None = None
-    """AdamW learning rate (None: 1e-3 for the built-in model, 3e-6 for any other)"""
+    """AdamW learning rate (None: 1e-3 for the built-in model, 3e-6 for any other; 0 trains nothing)"""
     anneal_lr: bool = True
     """decay the learning rate linearly to 0"""
     eval_every: int = 25
@@ -169,8 +170,10 @@ class Args:
 # rloo.py` alone runs RLOO. docs/rloo.md's table gives each one's paper (tests/test_grpo_family.py checks it).
 RECIPES = {
     "rloo": ("RLOO as in its paper: leave-one-out baseline, KL (k1) in the reward (the defaults)", lambda: Args()),
-    "trl_rloo": ("TRL's RLOOTrainer defaults: k = 2, KL in the reward, sequence-summed token losses",
-                 lambda: Args(exp_name="trl_rloo", rloo=RLOOHParams(rloo_k=2, loss_type="dr_grpo"))),
+    "trl_rloo": ("TRL's RLOOTrainer defaults: k = 2, KL in the reward, one ratio per response (the exp of its summed "
+                 "token log-ratios), clipped, the mean of the responses' losses", lambda: Args(
+                     exp_name="trl_rloo", rloo=RLOOHParams(rloo_k=2, importance_sampling_level="sequence_sum",
+                                                           loss_type="grpo"))),
     "grpo": ("GRPO (DeepSeekMath): group-mean baseline over the group's std, per-response token means, k3 KL in "
              "the loss", lambda: Args(exp_name="grpo", rloo=RLOOHParams(
                  baseline="group_mean", scale_rewards="group", loss_type="grpo", kl_in_reward=False,
@@ -234,19 +237,23 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
                    with_entropy: bool = False, entropy_grad: bool = False) -> tuple:
     """Logprobs [B, T] of tokens [B, T] under logits [B, T, V] as the sampler drew them: divided by the temperature
     and, with support = (top_k, top_p, min_p) set, renormalised over the tokens those filters keep (filter_logits;
-    each sampled token stays inside), so that filtered sampling is on-policy; and the entropy [B, T] of that
-    distribution, differentiable only if entropy_grad. The logprob is the gathered logit minus the logsumexp: no
-    [B, T, V] log-softmax is kept."""
+    each sampled token stays inside), so that filtered sampling is on-policy; the entropy [B, T] of that
+    distribution (None unless with_entropy), differentiable only if entropy_grad; and the logprobs [B, T] under the
+    full softmax at the temperature, which the KL compares with the reference's (the same tensor without filters).
+    Each logprob is the gathered logit minus a logsumexp: no [B, T, V] log-softmax is kept."""
     logits = logits.float() / temperature  # [B, T, V]
+    picked = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # [B, T]: inside every support (keep=tokens)
+    lse = logits.logsumexp(-1)  # [B, T]
+    full = picked - lse
     if tuple(support) != (0, 1.0, 0.0):
         logits = filter_logits(logits, *support, keep=tokens)
-    lse = logits.logsumexp(-1)  # [B, T]
-    logprobs = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse
+        lse = logits.logsumexp(-1)
+    logprobs = picked - lse
     if not with_entropy:
-        return logprobs, None
+        return logprobs, None, full
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         kept = logits.masked_fill(logits == -float("inf"), 0.0)  # filtered tokens: probability 0, no term
-        return logprobs, lse - (logits.softmax(-1) * kept).sum(-1)
+        return logprobs, lse - (logits.softmax(-1) * kept).sum(-1), full
 
 
 def sampler_metrics(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor) -> dict:
@@ -322,13 +329,15 @@ def sequence_rewards(scores: torch.Tensor, process: list | None, aggregate: str,
 def shared_prefix_logprobs(policy, queries: torch.Tensor, responses: torch.Tensor, valid: torch.Tensor,
                            pad_token_id: int, temperature: float, support: tuple = (0, 1.0, 0.0),
                            with_entropy: bool = False, entropy_grad: bool = False) -> tuple:
-    """token_logprobs' logprobs [B, T] and entropy [B, T] of k responses per prompt, each prompt forwarded once and its
-    KV cache repeated k times; queries [P, Lq] left-padded, responses and valid [B, T]. Layers that checkpoint their
-    activations keep no cache: then each response is forwarded with its own copy of the prompt."""
+    """token_logprobs' triple (logprobs, entropy, full-softmax logprobs; [B, T] each) of k responses per prompt, each
+    prompt forwarded once and its KV cache repeated k times; queries [P, Lq] left-padded, responses and valid [B, T].
+    Layers that checkpoint their activations keep no cache, and a forward that takes no cache object ignores one
+    (takes_cache): then each response is forwarded with its own copy of the prompt."""
     k = responses.shape[0] // queries.shape[0]
     query_mask = ((queries != pad_token_id).cumsum(1) > 0).long()
     mask = torch.cat([query_mask.repeat_interleave(k, 0), valid.long()], 1)  # [B, Lq + T]
-    if torch.is_grad_enabled() and any(getattr(m, "gradient_checkpointing", False) for m in policy.modules()):
+    checkpointing = any(getattr(m, "gradient_checkpointing", False) for m in policy.modules())
+    if (torch.is_grad_enabled() and checkpointing) or not takes_cache(policy):
         logits = policy(input_ids=torch.cat([queries.repeat_interleave(k, 0), responses], 1), attention_mask=mask,
                         position_ids=position_ids_from(mask), logits_to_keep=responses.shape[1] + 1).logits[:, :-1]
     else:
@@ -370,7 +379,7 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
     if queries.shape[0] == B and not torch.equal(queries, queries[::k].repeat_interleave(k, 0)):
         raise ValueError("the k samples of each prompt must be contiguous and share one query")
     queries = queries[::k] if queries.shape[0] == B else queries  # [P, Lq]
-    support = (hp.top_k, hp.top_p, hp.min_p)  # the sampler's filters: the policy's logprobs use them, not the KL's ref
+    support = (hp.top_k, hp.top_p, hp.min_p)  # the sampler's filters: the ratios use them; the KL the full softmax
     sampler_logprobs = None if sampler_logprobs is None else sampler_logprobs.to(device)  # [B, T], moved once
     high = hp.cliprange if hp.epsilon_high is None else hp.epsilon_high
 
@@ -384,16 +393,18 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
 
     # 2. Rollout forward passes without gradients, in chunks of whole prompts, each prompt forwarded once: reference
     # logprobs for the KL, and the policy's old logprobs when needed before the update; else (on-policy) they are the
-    # training passes' own: in one batch (fused) that pass is done here and kept, else filled in as they go.
+    # training passes' own: in one batch (fused) that pass is done here and kept, else filled in as they go. The KL
+    # compares both models' full softmax, filters or not (token_logprobs): 0 at identical weights, finite everywhere.
     on_policy = hp.num_ppo_epochs == 1 and hp.num_mini_batches == 1
     fused = on_policy and hp.gradient_accumulation_steps == 1
     need_old = not on_policy or (hp.kl_in_reward and hp.kl_coef > 0 and not fused)
     per_chunk = max(1, hp.forward_batch_size // k)
     chunks = [(slice(p, p + per_chunk), slice(p * k, (p + per_chunk) * k)) for p in range(0, P, per_chunk)]
 
-    def logprobs_of(model, support: tuple) -> torch.Tensor:  # [B, T], chunk by chunk
-        return torch.cat([shared_prefix_logprobs(model, queries[q], responses[r], valid[r], pad_token_id,
-                                                 hp.temperature, support)[0] for q, r in chunks])
+    def logprobs_of(model, support: tuple) -> tuple:  # [B, T] each, chunk by chunk: the sampler's, the full softmax's
+        parts = [shared_prefix_logprobs(model, queries[q], responses[r], valid[r], pad_token_id, hp.temperature,
+                                        support) for q, r in chunks]
+        return torch.cat([p[0] for p in parts]), torch.cat([p[2] for p in parts])
 
     def forward(p, i) -> tuple:  # the update's forward pass, with gradients: logprobs and entropy of prompts p, rows i
         with autocast(hp.dtype, device):
@@ -403,21 +414,21 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
     first = forward(slice(None), slice(None)) if fused else None  # [B, T] each
     with torch.no_grad(), autocast(hp.dtype, device):
         if need_old:
-            old_logprobs = logprobs_of(policy, support)
-        else:  # on-policy
-            old_logprobs = first[0].detach() if fused else torch.zeros(B, T, device=device)
+            old_logprobs, old_full = logprobs_of(policy, support)
+        else:  # on-policy: the logprobs and full logprobs of the first pass (fused), or filled in as they go
+            old_logprobs, old_full = torch.stack(first[::2]).detach() if fused else torch.zeros(2, B, T, device=device)
         ref_logprobs = None
         if hp.kl_coef > 0:
             ref_model, ref_context = reference(policy, ref_policy)  # ref_policy None: the policy, adapters off
             with ref_context:
-                ref_logprobs = logprobs_of(ref_model, (0, 1.0, 0.0))  # the reference's full distribution
+                ref_logprobs = logprobs_of(ref_model, (0, 1.0, 0.0))[0]  # the reference's full distribution
 
         def kl_of(logprobs: torch.Tensor, i=slice(None)) -> torch.Tensor:  # [b, T] per-token KL of rows i (0 if no KL)
             return kl_penalty(logprobs, ref_logprobs[i], estimator) if hp.kl_coef > 0 else torch.zeros_like(logprobs)
 
         # 3. Sequence rewards: score minus kl_coef x the summed KL of the trained tokens (when the KL is in the reward).
         scores = rewards if rewards.dim() == 1 else rewards.sum(1)  # [B]: all of it, padding positions too
-        non_score = -hp.kl_coef * (kl_of(old_logprobs) * train).sum(1) if hp.kl_in_reward else torch.zeros_like(scores)
+        non_score = -hp.kl_coef * (kl_of(old_full) * train).sum(1) if hp.kl_in_reward else torch.zeros_like(scores)
         sequence_rewards = scores + non_score  # [B]
 
         # 4. Baselines and advantages: leave-one-out or the group mean, optionally over the group's or batch's std.
@@ -439,19 +450,21 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
             bad = torch.zeros((), device=device)
             for pi in mb.split(micro):
                 i = (pi[:, None] * k + torch.arange(k, device=device)).flatten()
-                new_logprobs, entropy = (x[i] for x in first) if fused else forward(pi, i)
+                new_logprobs, entropy, new_full = (x[i] for x in first) if fused else forward(pi, i)
                 if not need_old and not fused:
-                    old_logprobs[i] = new_logprobs.detach()
+                    old_logprobs[i], old_full[i] = new_logprobs.detach(), new_full.detach()
                 log_ratio = new_logprobs - old_logprobs[i]  # [b, T]
-                if hp.importance_sampling_level == "sequence":  # GSPO: the mean log-ratio of each response, [b, 1]
-                    log_ratio = ((log_ratio * in_loss[i]).sum(1) / in_loss[i].sum(1).clamp(min=1))[:, None]
+                if hp.importance_sampling_level != "token":  # one per response, [b, 1]: the sum (TRL's RLOO) or mean
+                    log_ratio = (log_ratio * in_loss[i]).sum(1, keepdim=True)
+                    if hp.importance_sampling_level == "sequence":  # GSPO
+                        log_ratio = log_ratio / in_loss[i].sum(1, keepdim=True).clamp(min=1)
                 ratio = log_ratio.exp()
                 adv = advantages[i, None]  # [b, 1]
                 pg_losses = torch.max(-adv * ratio, -adv * ratio.clamp(1 - hp.cliprange, 1 + high))  # [b, T]
                 if hp.sampler_correction_cap is not None and sampler_logprobs is not None:
                     weight = (old_logprobs[i] - sampler_logprobs[i]).exp()  # [b, T], truncated at the cap
                     pg_losses = pg_losses * weight.clamp(max=hp.sampler_correction_cap)
-                kl_losses = kl_of(new_logprobs, i)  # [b, T]
+                kl_losses = kl_of(new_full, i)  # [b, T]
                 token_losses = pg_losses if hp.kl_in_reward else pg_losses + hp.kl_coef * kl_losses
                 loss = aggregate_loss(token_losses, in_loss[i], hp.loss_type, n_loss, hp.gradient_accumulation_steps,
                                       hp.max_completion_length or T)
@@ -475,7 +488,7 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
 
     # 6. Metrics (means over this process's batch; the caller averages them over processes).
     return {
-        "objective/kl": (kl_of(old_logprobs) * train).sum(1).mean().item(),
+        "objective/kl": (kl_of(old_full) * train).sum(1).mean().item(),
         "objective/entropy": (-old_logprobs * train).sum(1).mean().item(),
         "objective/non_score_reward": non_score.mean().item(),
         "objective/rlhf_reward": sequence_rewards.mean().item(),
@@ -506,6 +519,11 @@ def main(args: Args) -> None:
         kl_estimator_for(hp)
     except ValueError as e:
         fail("--kl-estimator", hp.kl_estimator, str(e))
+    if hp.temperature <= 0:
+        fail("--temperature", hp.temperature, "must be > 0: the logits are divided by it (evaluation is greedy anyway)")
+    if hp.importance_sampling_level != "token" and hp.loss_type != "grpo" and rank == 0:
+        print(f"note: --importance-sampling-level {hp.importance_sampling_level} gives each response one loss, which "
+              f"--loss-type {hp.loss_type} weighs by its length; GSPO and TRL's RLOOTrainer use --loss-type grpo")
     local_prompts = args.batch_size // (hp.rloo_k * world)
     if args.batch_size % (hp.rloo_k * world) or local_prompts % (hp.num_mini_batches * hp.gradient_accumulation_steps):
         fail("--batch-size", args.batch_size, f"must be divisible by --rloo-k ({hp.rloo_k}) x {world} process(es) x "
@@ -523,7 +541,7 @@ def main(args: Args) -> None:
     if ckpt is not None:
         load_weights(policy, ckpt / "policy", AutoModelForCausalLM)
     place([policy, ref_policy, task.reward_model, task.prm], device, args.fsdp, world)
-    lr = args.learning_rate or (1e-3 if args.model == "builtin" else 3e-6)
+    lr = (1e-3 if args.model == "builtin" else 3e-6) if args.learning_rate is None else args.learning_rate
     optimizer = torch.optim.AdamW(trainable(policy), lr=lr, eps=1e-5)
 
     state, start = resume_state(ckpt, optimizer, args.seed, rank, run_name)
@@ -986,14 +1004,16 @@ def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
 def generation_configs(gen: GenArgs, tokenizer, temperature: float, top_k: int = 0, top_p: float = 1.0,
                        min_p: float = 0.0) -> tuple[GenerationConfig, GenerationConfig]:
     """The sampling configuration for rollouts and the greedy one for evaluation; the off-policy note, once, when
-    --min-new-tokens or --repetition-penalty is set."""
+    --min-new-tokens or --repetition-penalty is set. Every filter and penalty is set, off or on: `generate` fills an
+    unset one from the model's own generation_config, which the decode loop and the update never see."""
     if off_policy_note(gen) and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
         print_once(off_policy_note(gen))
-    common = dict(max_new_tokens=gen.max_new_tokens, min_new_tokens=gen.min_new_tokens or None,
+    common = dict(max_new_tokens=gen.max_new_tokens, min_new_tokens=gen.min_new_tokens or None, typical_p=1.0,
+                  epsilon_cutoff=0.0, eta_cutoff=0.0, no_repeat_ngram_size=0, encoder_repetition_penalty=1.0,
                   pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    sample = GenerationConfig(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p or None,
+    sample = GenerationConfig(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                               repetition_penalty=gen.repetition_penalty, **common)
-    return sample, GenerationConfig(do_sample=False, **common)
+    return sample, GenerationConfig(do_sample=False, repetition_penalty=1.0, **common)
 
 
 def off_policy_note(gen: GenArgs) -> str:
@@ -1147,22 +1167,32 @@ def print_once(message: str) -> None:
 @torch.no_grad()
 def generate(policy, tokenizer, queries: torch.Tensor, gen: GenerationConfig, stop_strings: list[str]) -> tuple:
     """Sample (or greedily decode) responses to left-padded queries; returns cut_responses' triple and the sampler's
-    logprobs [B, T] (None from `generate`). A model whose forward takes a key/value cache
-    object (`cache`: transformers' own causal LMs) decodes through decode_loop; any other through `generate` (said
-    once), where all processes keep stepping until every one is done (synced_gpus)."""
+    logprobs [B, T] (None from `generate`). A model whose forward takes a key/value cache object (takes_cache)
+    decodes through decode_loop; any other through `generate` (said once), where all processes keep stepping until
+    every one is done (synced_gpus)."""
     attention_mask = ((queries != tokenizer.pad_token_id).cumsum(1) > 0).long()  # left padding only
     Lq = queries.shape[1]
     stop = stop_check(tokenizer, stop_strings) if stop_strings else None
-    model = policy.get_base_model() if isinstance(policy, peft.PeftModel) else policy
-    if "cache" in inspect.signature(type(model).forward).parameters:
+    if takes_cache(policy):
         out, logprobs = decode_loop(policy, queries, attention_mask, gen, stop)
     else:
-        print_once(f"generation through model.generate: {type(model).__name__}'s forward takes no cache object")
+        print_once(f"generation through model.generate: {type(base_model(policy)).__name__}'s forward takes no cache "
+                   "object, so the sampler's logprobs are unknown: no sampling/* metrics, no --sampler-correction-cap")
         criteria = StoppingCriteriaList([lambda ids, scores, **kw: stop(ids[:, Lq:])]) if stop else None
         out = policy.generate(input_ids=queries, attention_mask=attention_mask, generation_config=gen,
                               stopping_criteria=criteria, synced_gpus=torch.distributed.is_initialized())[:, Lq:]
         logprobs = None
     return *cut_responses(tokenizer, out.cpu(), stop_strings), None if logprobs is None else logprobs.cpu()
+
+
+def base_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside peft's wrapper (the model itself without LoRA)."""
+    return model.get_base_model() if isinstance(model, peft.PeftModel) else model
+
+
+def takes_cache(model: torch.nn.Module) -> bool:
+    """Whether the model's forward takes a key/value cache object (`cache`: transformers' own causal LMs)."""
+    return "cache" in inspect.signature(type(base_model(model)).forward).parameters
 
 
 def cut_responses(tokenizer, responses: torch.Tensor, stop_strings: list[str]) -> tuple:
@@ -1299,7 +1329,7 @@ def evaluate(policy, tokenizer, task: Task, greedy: GenerationConfig, stop_strin
              world: int) -> tuple[dict, list]:
     """Greedy decoding on the task's fixed evaluation rows (split over processes): mean score and task/accuracy
     (the fraction reaching --success-threshold), and every completion (prompt, completion, score), gathered from all
-    processes."""
+    processes in the rows' order."""
     out = rollout(policy, tokenizer, task.eval_rows[rank::world], greedy, stop_strings, task)
     scores = out["scores"]  # [B]
     total = global_sum(torch.tensor([scores.sum(), (scores >= task.args.success_threshold).sum(), len(scores)],
@@ -1309,7 +1339,7 @@ def evaluate(policy, tokenizer, task: Task, greedy: GenerationConfig, stop_strin
     if world > 1:
         parts = [None] * world
         torch.distributed.all_gather_object(parts, samples)
-        samples = [s for part in parts for s in part]
+        samples = [parts[j % world][j // world] for j in range(sum(map(len, parts)))]  # row j: rank j % world's
     return {"eval/scores": total[0] / total[2], "task/accuracy": total[1] / total[2]}, samples
 
 
@@ -1385,7 +1415,7 @@ def shard(model: torch.nn.Module, mesh) -> torch.nn.Module:
     for module in model.modules():
         if type(module).__name__ in layers:
             fully_shard(module, mesh=mesh)
-    fully_shard(model.get_base_model() if isinstance(model, peft.PeftModel) else model, mesh=mesh)
+    fully_shard(base_model(model), mesh=mesh)
     return model
 
 
@@ -1474,9 +1504,17 @@ def refuse_dropout(**models: torch.nn.Module) -> None:
 
 def average_metrics(metrics: dict, device: torch.device, counts: tuple[str, ...] = ()) -> dict:
     """Each metric over all processes: the keys in `counts` (per-process counts, e.g. val/num_eos_tokens) summed,
-    every other key (means, and counts every process shares, e.g. loss/nonfinite_skipped) averaged."""
+    keys ending in /min and /max the minimum and maximum, every other key (means, and counts every process shares,
+    e.g. loss/nonfinite_skipped) averaged. Every process passes the same keys."""
     values = global_sum(torch.tensor(list(metrics.values()), dtype=torch.float64, device=device)).tolist()
-    return {k: v if k in counts else v / world_size() for k, v in zip(metrics, values)}
+    out = {k: v if k in counts else v / world_size() for k, v in zip(metrics, values)}
+    for suffix, op in (("/min", "MIN"), ("/max", "MAX")):
+        keys = [k for k in metrics if k.endswith(suffix)]
+        if keys and torch.distributed.is_initialized():
+            extreme = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=device)
+            torch.distributed.all_reduce(extreme, op=getattr(torch.distributed.ReduceOp, op))
+            out.update(zip(keys, extreme.tolist()))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -298,7 +298,7 @@ def main(args: Args) -> None:
                                               "after truncation; give more data, or raise --max-length")
 
     # ---- the token classifier: the built-in LM after its warm start under a fresh 2-label head, or --model
-    lr = args.learning_rate or (1e-3 if builtin else 1e-5)
+    lr = (1e-3 if builtin else 1e-5) if args.learning_rate is None else args.learning_rate
     warmup_loss = None
     if builtin and args.memory.lora_r:  # the LoRA flags checked before the warm start rather than after it
         with_lora(copy.deepcopy(model), args.memory)
@@ -747,9 +747,17 @@ def setup_distributed() -> tuple[int, int, torch.device]:
 
 def average_metrics(metrics: dict, device: torch.device, counts: tuple[str, ...] = ()) -> dict:
     """Each metric over all processes: the keys in `counts` (per-process counts, e.g. val/num_eos_tokens) summed,
-    every other key (means, and counts every process shares, e.g. loss/nonfinite_skipped) averaged."""
+    keys ending in /min and /max the minimum and maximum, every other key (means, and counts every process shares,
+    e.g. loss/nonfinite_skipped) averaged. Every process passes the same keys."""
     values = global_sum(torch.tensor(list(metrics.values()), dtype=torch.float64, device=device)).tolist()
-    return {k: v if k in counts else v / world_size() for k, v in zip(metrics, values)}
+    out = {k: v if k in counts else v / world_size() for k, v in zip(metrics, values)}
+    for suffix, op in (("/min", "MIN"), ("/max", "MAX")):
+        keys = [k for k in metrics if k.endswith(suffix)]
+        if keys and torch.distributed.is_initialized():
+            extreme = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=device)
+            torch.distributed.all_reduce(extreme, op=getattr(torch.distributed.ReduceOp, op))
+            out.update(zip(keys, extreme.tolist()))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------------

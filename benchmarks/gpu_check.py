@@ -143,25 +143,13 @@ def sync(device: torch.device) -> None:
 
 
 def compiled_decode(ppo, policy, gen, device: torch.device):
-    """The decode loop as the scripts run it under --compile: the model's forward under torch.compile(dynamic=True)
-    (the prefill goes through it) and the generation config's compile_config, with which decode_loop compiles its
-    one-token step (fullgraph, fixed shapes; CUDA graphs on a GPU). Mirrors ppo.py's main(); keep the two alike."""
-    from transformers import CompileConfig
-
-    compiled, eager = torch.compile(policy.forward, dynamic=True), policy.forward
-    gen = copy.deepcopy(gen)
-    gen.compile_config = CompileConfig(fullgraph=True, dynamic=False,
-                                       mode="reduce-overhead" if device.type == "cuda" else "default")
-
-    def run(queries, tokenizer):
-        """ppo.generate with the compiled forward in place, then the eager one back."""
-        policy.forward = compiled
-        try:
-            return ppo.generate(policy, tokenizer, queries, gen, [])
-        finally:
-            policy.forward = eager
-
-    return run
+    """The decode loop as the scripts run it under --compile, through their own path (ppo.compile_models, as main()
+    calls it): the forward of a copy of the policy under torch.compile(dynamic=True) (the prefill goes through it) and
+    the generation config's compile_config, with which decode_loop compiles its one-token step (fullgraph, fixed
+    shapes; CUDA graphs on a GPU). The copy leaves the eager rows' policy as it is."""
+    compiled, gen = copy.deepcopy(policy), copy.deepcopy(gen)
+    ppo.compile_models(True, [compiled], [gen], device)
+    return lambda queries, tokenizer: ppo.generate(compiled, tokenizer, queries, gen, [])
 
 
 def generation_rows(folder: Path, size: Size, device: torch.device, cpu_compile: bool,

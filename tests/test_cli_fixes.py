@@ -38,10 +38,12 @@ COMBINE = textwrap.dedent('''
 
     rank, world, device = ppo.setup_distributed()
     metrics = {"val/num_eos_tokens": float(rank + 1), "objective/scores": float(rank + 1),
-               "loss/nonfinite_skipped": 1.0}
+               "loss/nonfinite_skipped": 1.0, "sampling/importance_sampling_ratio/min": 0.9 + rank / 20,
+               "sampling/importance_sampling_ratio/max": 1.1 + rank / 20}
     for module in (ppo, rloo, stepwise_prm):
         out = module.average_metrics(metrics, device, counts=("val/num_eos_tokens",))
-        assert out == {"val/num_eos_tokens": 3.0, "objective/scores": 1.5, "loss/nonfinite_skipped": 1.0}, out
+        assert out == {"val/num_eos_tokens": 3.0, "objective/scores": 1.5, "loss/nonfinite_skipped": 1.0,
+                       "sampling/importance_sampling_ratio/min": 0.9, "sampling/importance_sampling_ratio/max": 1.15}, out
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     print(f"rank {rank} combined", flush=True)
@@ -99,6 +101,7 @@ def test_interleave_prm_phase_nan_stops_with_one_line_or_is_skipped(tmp_path):
 
 
 def test_average_metrics_sums_counts_and_averages_means_over_two_processes(tmp_path):
+    """Counts summed, means averaged, and (issue 36) keys ending in /min and /max their minimum and maximum."""
     (tmp_path / "combine.py").write_text(COMBINE)
     result = run_script(str(tmp_path / "combine.py"), launcher=TORCHRUN, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -44,6 +44,9 @@ def test_script_under_torchrun(script, extra, tmp_path):
     rows = rows_of(tmp_path / "run")
     assert rows[-1]["iteration"] == 4 and any(k.startswith("eval/") for k in rows[-1])
     assert result.stdout.count("final ") == 1  # only rank 0 prints
+    if script in ("ppo.py", "rloo.py"):  # the evaluation's completions in the rows' order, not rank by rank
+        first = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()][:100]
+        assert [s["prompt"] for s in first] == [r["prompt"] for r in ppo.addition_eval_rows()]
     state = torch.load(tmp_path / "run" / "checkpoints" / "iter_000004" / "state.pt", weights_only=False)
     assert len(state["rng"]) == 2  # every process's random state, for an exact resume
     auto = ppo.AutoModelForTokenClassification if script == "stepwise_prm.py" else ppo.AutoModelForCausalLM

@@ -262,9 +262,9 @@ def test_filtered_sampling_is_on_policy():
     responses, lengths, _, sampler = rloo.generate(model, tokenizer, queries, sample, [])
     valid = torch.arange(responses.shape[1])[None] < lengths[:, None]
     with torch.no_grad():
-        exact, _ = rloo.shared_prefix_logprobs(model, queries[::8], responses, valid, tokenizer.pad_token_id, 1.0,
+        exact, _, _ = rloo.shared_prefix_logprobs(model, queries[::8], responses, valid, tokenizer.pad_token_id, 1.0,
                                                (3, 0.9, 0.0))
-        full, _ = rloo.shared_prefix_logprobs(model, queries[::8], responses, valid, tokenizer.pad_token_id, 1.0)
+        full, _, _ = rloo.shared_prefix_logprobs(model, queries[::8], responses, valid, tokenizer.pad_token_id, 1.0)
     assert (exact - sampler)[valid].abs().max() < 1e-5
     assert (full - sampler)[valid].abs().max() > 0.1
 
@@ -272,7 +272,7 @@ def test_filtered_sampling_is_on_policy():
 def test_a_sampled_token_stays_inside_the_support():
     """Float noise between sampler and trainer can move a token across the top-k boundary: the update keeps it."""
     logits = torch.tensor([[[3.0, 2.0, 1.999, 0.0]]])  # [1, 1, V]: token 2 is just outside top-2
-    logprobs, _ = rloo.token_logprobs(logits, torch.tensor([[2]]), 1.0, (2, 1.0, 0.0))
+    logprobs, _, _ = rloo.token_logprobs(logits, torch.tensor([[2]]), 1.0, (2, 1.0, 0.0))
     assert torch.isfinite(logprobs).all()
     expected = logits[0, 0, :3].log_softmax(-1)[2]
     torch.testing.assert_close(logprobs[0, 0], expected)
@@ -307,3 +307,44 @@ def test_a_named_configuration_runs_and_flags_after_it_override_it(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert {"policy/clipfrac_low_avg", "policy/clipfrac_high_avg", "val/truncated_frac",
             "sampling/sampling_logp_difference/mean"} <= set(rows[-1])
+
+
+def test_trl_rloo_recipe_is_trls_rlootrainer_over_two_mini_batches():
+    """The trl_rloo recipe against TRL's RLOOTrainer, written out from its `_generate_and_score_completions` and
+    `_compute_loss` (TRL 1.x): k = 2, the summed k1 KL in the reward (beta 0.05), leave-one-out advantages, one ratio
+    per response, exp(sum of its token log-ratios), clipped to [0.8, 1.2], the mean of the responses' losses. Two
+    mini-batches make the second off-policy, so the sequence ratio's clip acts; the former recipe (token ratios,
+    dr_grpo's sum over responses x max length) gave 1/T of the first mini-batch's update and no such clip."""
+    k, lr = 2, 1.0
+    hp = rloo.RECIPES["trl_rloo"][1]().rloo
+    hp.max_grad_norm, hp.num_mini_batches = 1e9, 2
+    tokenizer, model, ref, queries, responses, rewards = setup()
+    before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+    torch.manual_seed(7)
+    metrics = rloo.rloo_step(model, ref, torch.optim.SGD(model.parameters(), lr=lr), queries, responses, rewards,
+                             hp=hp, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    ours = torch.cat([p.detach().flatten() for p in model.parameters()]) - before
+
+    tokenizer, model, ref, queries, responses, rewards = setup()
+    mask = trl_completion_mask(responses, tokenizer.eos_token_id)
+    with torch.no_grad():
+        old = trl_logps(model, queries, responses, mask)
+        kl = ((old - trl_logps(ref, queries, responses, mask)) * mask).sum(-1)
+    grouped = (rewards - 0.05 * kl).view(-1, k)
+    advantages = (grouped - (grouped.sum(1, keepdim=True) - grouped) / (k - 1)).flatten()
+    old_logps = (old * mask).sum(1)
+    torch.manual_seed(7)
+    for groups in torch.randperm(len(rewards) // k).split(2):
+        rows = (groups[:, None] * k + torch.arange(k)).flatten()
+        model.zero_grad()
+        logps = (trl_logps(model, queries[rows], responses[rows], mask[rows]) * mask[rows]).sum(1)
+        coef_1 = torch.exp(logps - old_logps[rows])
+        coef_2 = torch.clamp(coef_1, 1 - 0.2, 1 + 0.2)
+        loss = -torch.min(coef_1 * advantages[rows], coef_2 * advantages[rows]).mean()
+        loss.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.sub_(lr * p.grad)
+    expected = torch.cat([p.detach().flatten() for p in model.parameters()]) - before
+    assert_same_direction_and_size(ours, expected)
+    assert metrics["policy/clipfrac_avg"] > 0, "the second mini-batch's ratios stayed inside the clip range"
