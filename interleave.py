@@ -258,8 +258,7 @@ def sft_step(policy, optimizer, input_ids: torch.Tensor, attention_mask: torch.T
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The loop: one step is the numbered steps below. main() calls functions defined after it (the phases' steps, the
-# loaders and checks): Python looks names up when a call runs.
+# The loop: one step is the numbered steps below (main calls functions defined after it: names resolve at the call).
 
 
 def main(args: Args) -> None:
@@ -281,9 +280,8 @@ def main(args: Args) -> None:
     tokenizer, policy = ppo.load_policy(args.model, args.trust_remote_code)
     models = {"policy": policy}
     ref_policy = None if args.memory.lora_r else ppo.disable_dropout(copy.deepcopy(policy)).eval().requires_grad_(False)
-    # 1. Models: the value model (for PPO) and the PRM start from the policy's weights under fresh heads. With LoRA,
-    #    each gets its own adapters: the policy's one set, trained by every policy phase; the reference is the policy
-    #    with them off.
+    # 1. Models: the value model (PPO) and the PRM start from the policy's weights under fresh heads; with LoRA, each
+    #    gets adapters of its own (the policy's, trained by every policy phase, are off for the reference).
     for name, phase, num_labels in (("value", "ppo", 1), ("prm", "prm", 2)):
         if phase in args.phases:
             models[name] = ppo.token_classifier_from(policy, num_labels, "--model", f"drop the {phase} phase")
@@ -304,8 +302,7 @@ def main(args: Args) -> None:
         return torch.optim.AdamW(ppo.trainable(*mods), lr=1e-3, eps=1e-5)
 
     defaults = DEFAULT_LR_BUILTIN if args.model == "builtin" else DEFAULT_LR_PRETRAINED
-    lrs = {p: defaults[p] if getattr(args, p).turn.learning_rate is None else getattr(args, p).turn.learning_rate
-           for p in args.phases}
+    lrs = {p: defaults[p] if (lr := getattr(args, p).turn.learning_rate) is None else lr for p in args.phases}
     # 2. One AdamW for the policy's phases (each step sets its phase's learning rate), or one per phase.
     value = [models["value"]] if "value" in models else []
     shared = adamw(policy, *value)

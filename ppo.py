@@ -211,23 +211,19 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
                    with_entropy: bool = False, entropy_grad: bool = False) -> tuple:
     """Logprobs [B, T] of tokens [B, T] under logits [B, T, V] as the sampler drew them: divided by the temperature
     and, with support = (top_k, top_p, min_p) set, renormalised over the tokens those filters keep (filter_logits;
-    each sampled token stays inside), so that filtered sampling is on-policy; the entropy [B, T] of that
-    distribution (None unless with_entropy), differentiable only if entropy_grad; and the logprobs [B, T] under the
-    full softmax at the temperature, which the KL compares with the reference's (the same tensor without filters).
-    Each logprob is the gathered logit minus a logsumexp: no [B, T, V] log-softmax is kept."""
+    each sampled token stays inside), so that filtered sampling is on-policy; and the entropy [B, T] of that
+    distribution, differentiable only if entropy_grad. The logprob is the gathered logit minus the logsumexp: no
+    [B, T, V] log-softmax is kept."""
     logits = logits.float() / temperature  # [B, T, V]
-    picked = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # [B, T]: inside every support (keep=tokens)
-    lse = logits.logsumexp(-1)  # [B, T]
-    full = picked - lse
     if tuple(support) != (0, 1.0, 0.0):
         logits = filter_logits(logits, *support, keep=tokens)
-        lse = logits.logsumexp(-1)
-    logprobs = picked - lse
+    lse = logits.logsumexp(-1)  # [B, T]
+    logprobs = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse
     if not with_entropy:
-        return logprobs, None, full
+        return logprobs, None
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         kept = logits.masked_fill(logits == -float("inf"), 0.0)  # filtered tokens: probability 0, no term
-        return logprobs, lse - (logits.softmax(-1) * kept).sum(-1), full
+        return logprobs, lse - (logits.softmax(-1) * kept).sum(-1)
 
 
 def sampler_metrics(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor) -> dict:
@@ -255,8 +251,8 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float) -
 
 def response_logprobs(policy, input_ids, attention_mask, responses: torch.Tensor, temperature: float,
                       support: tuple = (0, 1.0, 0.0), with_entropy: bool = False, entropy_grad: bool = False) -> tuple:
-    """token_logprobs' triple (logprobs, entropy, full-softmax logprobs; [B, T] each) of the response tokens, from
-    logits at response positions only; support (top_k, top_p, min_p) as the sampler's."""
+    """token_logprobs' logprobs [B, T] and entropy [B, T] of the response tokens, from logits at response positions
+    only; support (top_k, top_p, min_p) as the sampler's."""
     logits = policy(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask),
                     logits_to_keep=responses.shape[1] + 1).logits[:, :-1]  # [B, T, V]
     return token_logprobs(logits, responses, temperature, support, with_entropy, entropy_grad)
@@ -318,7 +314,7 @@ def ppo_step(policy, value_model, ref_policy, optimizer, queries: torch.Tensor, 
     refuse_dropout(policy=policy, value_model=value_model, ref_policy=ref_policy)
     device = next(policy.parameters()).device
     queries, responses, rewards = queries.to(device), responses.to(device), rewards.to(device).float()
-    support = (hp.top_k, hp.top_p, hp.min_p)  # the sampler's filters: the ratios use them; the KL the full softmax
+    support = (hp.top_k, hp.top_p, hp.min_p)  # the sampler's filters: the policy's and the reference's logprobs
     sampler_logprobs = None if sampler_logprobs is None else sampler_logprobs.to(device)  # [B, T], moved once
 
     # 1. Masks: `valid` is the response itself (padding excluded), `train` the valid tokens not masked out.
@@ -330,13 +326,13 @@ def ppo_step(policy, value_model, ref_policy, optimizer, queries: torch.Tensor, 
 
     # 2. Rollout forward passes: reference logprobs without gradients, in chunks; the policy's old logprobs and
     # the old values the same way, unless the update is one mini-batch without accumulation: then the first
-    # epoch's forward pass (with gradients) is the rollout's, and it is kept rather than done twice. The KL compares
-    # both models' full softmax, filters or not (token_logprobs): 0 at identical weights, finite for every token.
-    def forward(i) -> tuple:  # the update's forward pass, with gradients: logprobs, entropy, values, full logprobs
+    # epoch's forward pass (with gradients) is the rollout's, and it is kept rather than done twice. The reference's
+    # logprobs take the sampler's filters too (its own support): the KL compares the two samplers, 0 at equal weights.
+    def forward(i) -> tuple:  # the update's forward pass, with gradients: logprobs, entropy and values of rows i
         with autocast(hp.dtype, device):
-            logprobs, entropy, full = response_logprobs(policy, input_ids[i], attention_mask[i], responses[i],
-                                                        hp.temperature, support, True, hp.ent_coef > 0)
-            return logprobs, entropy, response_values(value_model, input_ids[i], attention_mask[i], T), full
+            logprobs, entropy = response_logprobs(policy, input_ids[i], attention_mask[i], responses[i], hp.temperature,
+                                                  support, True, hp.ent_coef > 0)
+            return logprobs, entropy, response_values(value_model, input_ids[i], attention_mask[i], T)
 
     fused = hp.num_mini_batches == 1 and hp.gradient_accumulation_steps == 1
     first = forward(slice(None)) if fused else None  # [B, T] each
@@ -345,18 +341,17 @@ def ppo_step(policy, value_model, ref_policy, optimizer, queries: torch.Tensor, 
         ref_model, ref_context = reference(policy, ref_policy)  # ref_policy None: the policy, adapters off
         with ref_context:
             ref_logprobs = torch.cat([response_logprobs(ref_model, input_ids[c], attention_mask[c], responses[c],
-                                                        hp.temperature)[0] for c in chunks])
+                                                        hp.temperature, support)[0] for c in chunks])
         if fused:
-            old_logprobs, old_values, old_full = first[0].detach(), first[2].detach() * valid, first[3].detach()
+            old_logprobs, old_values = first[0].detach(), first[2].detach() * valid
         else:
-            old = [response_logprobs(policy, input_ids[c], attention_mask[c], responses[c], hp.temperature, support)
-                   for c in chunks]
-            old_logprobs, old_full = torch.cat([o[0] for o in old]), torch.cat([o[2] for o in old])
+            old_logprobs = torch.cat([response_logprobs(policy, input_ids[c], attention_mask[c], responses[c],
+                                                        hp.temperature, support)[0] for c in chunks])
             old_values = torch.cat([response_values(value_model, input_ids[c], attention_mask[c], T)
                                     for c in chunks]) * valid
 
         # 3. Per-token rewards: -kl_coef * KL on trained tokens, plus the score on the last token of the response.
-        kl = kl_penalty(old_full, ref_logprobs, hp.kl_estimator) * train  # [B, T]
+        kl = kl_penalty(old_logprobs, ref_logprobs, hp.kl_estimator) * train  # [B, T]
         non_score = -hp.kl_coef * kl
         last = (valid.sum(1) - 1).clamp(min=0)  # [B] index of the last response token
         if rewards.dim() == 1:  # one score per response: on its last token
@@ -383,7 +378,7 @@ def ppo_step(policy, value_model, ref_policy, optimizer, queries: torch.Tensor, 
             n_valid = global_sum(valid[mb].sum().float()).clamp(min=1) / world_size()
             bad = torch.zeros((), device=device)
             for i in mb.split(micro):
-                new_logprobs, entropy, new_values, _ = (x[i] for x in first) if fused and epoch == 0 else forward(i)
+                new_logprobs, entropy, new_values = (x[i] for x in first) if fused and epoch == 0 else forward(i)
                 v_clipped = old_values[i] + (new_values - old_values[i]).clamp(-hp.cliprange_value, hp.cliprange_value)
                 vf_unclipped, vf_clipped = (new_values - returns[i]) ** 2, (v_clipped - returns[i]) ** 2
                 vf_losses = torch.max(vf_unclipped, vf_clipped)
@@ -699,12 +694,10 @@ def load_policy(name: str, trust_remote_code: bool) -> tuple:
 
 
 def fp32_output_layer(model: torch.nn.Module) -> torch.nn.Module:
-    """Make the model's output layer (lm_head) compute in fp32 under bf16 autocast too; a no-op in fp32. Autocast
-    would round the logits to bf16 (3 significant digits): logits of 10 are then off by up to 0.03, and so are the
-    logprobs whose differences make the ratios and the KL, and sampling draws from a rounded softmax. Only this
-    matmul moves to fp32; the model's own forward runs as before (MiniMax-M1, arXiv:2506.13585, found its bf16 LM
-    head to be where training and inference probabilities parted). It is the one forward replaced at run time, on
-    every device alike: autocast has no per-layer dtype, and fp32 logits matter on a GPU as much as here."""
+    """Make the model's output layer (lm_head) compute in fp32 under bf16 autocast too; a no-op in fp32. In bf16 (3
+    significant digits) logits of 10 are off by up to 0.03, and so are the logprobs whose differences make the ratios
+    and the KL (MiniMax-M1, arXiv:2506.13585, found its bf16 LM head to be where training and inference parted). The
+    one forward replaced at run time, on every device alike: autocast has no per-layer dtype."""
     def forward(head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         with torch.autocast(hidden.device.type, enabled=False):
             return type(head).forward(head, hidden.float())
@@ -820,28 +813,21 @@ def render_prompt(tokenizer, prompt: str | list) -> list[int]:
 
 @dataclass
 class Task:
-    """A loaded task (load_task): where prompts come from, the fixed evaluation rows, and what scores responses."""
+    """A loaded task (load_task): the flags it was loaded from, the prompt source (a function fn(rng) -> row, or a
+    dataset of rows), the fixed evaluation rows, the (spec, function) of each reward function and their weights, the
+    reward model (a sequence classifier whose weighted score is added) and the process reward model (a two-label
+    token classifier), each with its own tokenizer or None, and the policy's context length in tokens."""
 
     args: TaskArgs
-    """the flags it was loaded from"""
     source: Callable | datasets.Dataset
-    """a prompt function fn(rng) -> row, or a dataset of rows"""
     eval_rows: list[dict]
-    """the fixed evaluation rows"""
     reward_fns: list[tuple[str, Callable]] = field(default_factory=list)
-    """(spec, function) of each reward function"""
     weights: list[float] = field(default_factory=list)
-    """one weight per reward function"""
     reward_model: Any = None
-    """sequence classifier whose score is added (weighted), or None"""
     rm_tokenizer: Any = None
-    """the reward model's own tokenizer"""
     prm: Any = None
-    """process reward model (two-label token classifier), or None"""
     prm_tokenizer: Any = None
-    """the PRM's own tokenizer"""
     context: int = 10**9
-    """the policy's context length in tokens"""
 
 
 def load_task(task: TaskArgs, tokenizer, context: int, max_new_tokens: int, trust_remote_code: bool = False,
@@ -928,9 +914,8 @@ def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
 
 def generation_configs(gen: GenArgs, tokenizer, temperature: float, top_k: int = 0, top_p: float = 1.0,
                        min_p: float = 0.0) -> tuple[GenerationConfig, GenerationConfig]:
-    """The sampling configuration for rollouts and the greedy one for evaluation; the off-policy note, once, when
-    --min-new-tokens or --repetition-penalty is set. Every filter and penalty is set, off or on: `generate` fills an
-    unset one from the model's own generation_config, which the decode loop and the update never see."""
+    """The sampling configuration for rollouts and the greedy one for evaluation, every filter set (`generate` fills
+    an unset one from the model's generation_config); the off-policy note once, for --min-new-tokens or a penalty."""
     if off_policy_note(gen) and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
         print_once(off_policy_note(gen))
     common = dict(max_new_tokens=gen.max_new_tokens, min_new_tokens=gen.min_new_tokens or None, typical_p=1.0,
@@ -1101,8 +1086,8 @@ def generate(policy, tokenizer, queries: torch.Tensor, gen: GenerationConfig, st
     if takes_cache(policy):
         out, logprobs = decode_loop(policy, queries, attention_mask, gen, stop)
     else:
-        print_once(f"generation through model.generate: {type(base_model(policy)).__name__}'s forward takes no cache "
-                   "object, so the sampler's logprobs are unknown: no sampling/* metrics, no --sampler-correction-cap")
+        print_once(f"generation through model.generate: {type(policy).__name__}'s forward takes no cache object, so "
+                   "the sampler's logprobs are unknown: no sampling/* metrics, no --sampler-correction-cap")
         criteria = StoppingCriteriaList([lambda ids, scores, **kw: stop(ids[:, Lq:])]) if stop else None
         out = policy.generate(input_ids=queries, attention_mask=attention_mask, generation_config=gen,
                               stopping_criteria=criteria, synced_gpus=torch.distributed.is_initialized())[:, Lq:]
@@ -1110,14 +1095,11 @@ def generate(policy, tokenizer, queries: torch.Tensor, gen: GenerationConfig, st
     return *cut_responses(tokenizer, out.cpu(), stop_strings), None if logprobs is None else logprobs.cpu()
 
 
-def base_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The model inside peft's wrapper (the model itself without LoRA)."""
-    return model.get_base_model() if isinstance(model, peft.PeftModel) else model
-
-
 def takes_cache(model: torch.nn.Module) -> bool:
-    """Whether the model's forward takes a key/value cache object (`cache`: transformers' own causal LMs)."""
-    return "cache" in inspect.signature(type(base_model(model)).forward).parameters
+    """Whether the model's forward (inside peft's wrapper) takes a key/value cache object (`cache`: transformers'
+    own causal LMs)."""
+    model = model.get_base_model() if isinstance(model, peft.PeftModel) else model
+    return "cache" in inspect.signature(type(model).forward).parameters
 
 
 def cut_responses(tokenizer, responses: torch.Tensor, stop_strings: list[str]) -> tuple:
@@ -1340,7 +1322,7 @@ def shard(model: torch.nn.Module, mesh) -> torch.nn.Module:
     for module in model.modules():
         if type(module).__name__ in layers:
             fully_shard(module, mesh=mesh)
-    fully_shard(base_model(model), mesh=mesh)
+    fully_shard(model.get_base_model() if isinstance(model, peft.PeftModel) else model, mesh=mesh)
     return model
 
 
@@ -1431,15 +1413,13 @@ def average_metrics(metrics: dict, device: torch.device, counts: tuple[str, ...]
     """Each metric over all processes: the keys in `counts` (per-process counts, e.g. val/num_eos_tokens) summed,
     keys ending in /min and /max the minimum and maximum, every other key (means, and counts every process shares,
     e.g. loss/nonfinite_skipped) averaged. Every process passes the same keys."""
-    values = global_sum(torch.tensor(list(metrics.values()), dtype=torch.float64, device=device)).tolist()
-    out = {k: v if k in counts else v / world_size() for k, v in zip(metrics, values)}
-    for suffix, op in (("/min", "MIN"), ("/max", "MAX")):
-        keys = [k for k in metrics if k.endswith(suffix)]
-        if keys and torch.distributed.is_initialized():
-            extreme = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=device)
-            torch.distributed.all_reduce(extreme, op=getattr(torch.distributed.ReduceOp, op))
-            out.update(zip(keys, extreme.tolist()))
-    return out
+    local = torch.tensor(list(metrics.values()), dtype=torch.float64, device=device)
+    sign = torch.tensor([-1.0 if k.endswith("/min") else 1.0 for k in metrics], dtype=torch.float64, device=device)
+    extreme = sign * local  # the maximum of -x over processes is minus the minimum of x
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(extreme, op=torch.distributed.ReduceOp.MAX)
+    rows = zip(metrics, global_sum(local).tolist(), (sign * extreme).tolist())
+    return {k: e if k.endswith(("/min", "/max")) else v if k in counts else v / world_size() for k, v, e in rows}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -1476,8 +1456,7 @@ def log_row(path: Path | None, run, row: dict, samples: list | None = None) -> N
     if samples:
         with (path.parent / "samples.jsonl").open("a") as f:
             f.writelines(json.dumps({"iteration": row["iteration"], **s}, default=str) + "\n" for s in samples)
-        tqdm.write(f"iteration {row['iteration']}: {len(samples)} evaluation completions in samples.jsonl, the first "
-                   "3:")
+        tqdm.write(f"iteration {row['iteration']}: {len(samples)} evaluation completions in samples.jsonl, first 3:")
         for s in samples[:3]:
             prompt = s["prompt"] if isinstance(s["prompt"], str) else s["prompt"][-1]["content"]  # chat: last message
             tqdm.write(f"  score {s['score']:+.3f} | {prompt!r} -> {s['completion']!r}")

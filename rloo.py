@@ -76,10 +76,8 @@ class RLOOHParams:
     kl_coef: float = 0.05
     """weight of the KL penalty (TRL's beta)"""
     kl_estimator: Literal["auto", "k1", "k2", "k3"] = "auto"
-    """per-token KL estimate, with r = ref_logp - logp: k1 = -r, k2 = r^2 / 2, k3 = exp(r) - 1 - r. In the reward its
-    value counts: k1 or k3 (unbiased estimates of KL(policy || reference)). In the loss its gradient counts: k2 (per
-    token, that of KL(policy || reference) at the sampled prefix: see kl_penalty) or k3 (of KL(reference || policy),
-    GRPO's choice); k1's is 0 in expectation, so it is refused there. auto: k1 in the reward, k2 in the loss"""
+    """per-token KL estimate (see kl_penalty): k1 or k3 in the reward (unbiased values), k2 or k3 in the loss (the
+    gradients of KL(policy || ref) and of KL(ref || policy)); k1's gradient is 0, so not there. auto: k1, k2"""
     kl_in_reward: bool = True
     """fold the KL penalty into the sequence reward (RLOO); else add kl_coef x the per-token KL to the losses (GRPO)"""
     cliprange: float = 0.2
@@ -100,8 +98,7 @@ class RLOOHParams:
     min_p: float = 0.0
     """drop tokens below min_p times the top probability (0: off); the update's logprobs use the same support"""
     sampler_correction_cap: float | None = None
-    """weight each token's policy-gradient loss by min(exp(old_logp - sampler_logp), cap): truncated importance
-    sampling for what differs between the sampler's and the trainer's logprobs (TRL's token_truncate; None: off)"""
+    """weight each token's loss by min(exp(old_logp - sampler_logp), cap), TRL's token_truncate (None: off)"""
     num_ppo_epochs: int = 1
     """passes over the batch per update (1: on-policy REINFORCE)"""
     num_mini_batches: int = 1
@@ -166,24 +163,20 @@ class Args:
     rloo: Annotated[RLOOHParams, tyro.conf.OmitArgPrefixes] = field(default_factory=RLOOHParams)
 
 
-# Named configurations: `python rloo.py grpo --rloo-k 8` runs GRPO, a flag after the name overriding it; `python
-# rloo.py` alone runs RLOO. docs/rloo.md's table gives each one's paper (tests/test_grpo_family.py checks it).
+# Named configurations (`python rloo.py grpo --rloo-k 8`: flags after the name override it), docs/rloo.md's table.
 RECIPES = {
     "rloo": ("RLOO as in its paper: leave-one-out baseline, KL (k1) in the reward (the defaults)", lambda: Args()),
-    "trl_rloo": ("TRL's RLOOTrainer defaults: k = 2, KL in the reward, one ratio per response (the exp of its summed "
-                 "token log-ratios), clipped, the mean of the responses' losses", lambda: Args(
-                     exp_name="trl_rloo", rloo=RLOOHParams(rloo_k=2, importance_sampling_level="sequence_sum",
-                                                           loss_type="grpo"))),
-    "grpo": ("GRPO (DeepSeekMath): group-mean baseline over the group's std, per-response token means, k3 KL in "
-             "the loss", lambda: Args(exp_name="grpo", rloo=RLOOHParams(
-                 baseline="group_mean", scale_rewards="group", loss_type="grpo", kl_in_reward=False,
-                 kl_estimator="k3", kl_coef=0.04))),
+    "trl_rloo": ("TRL's RLOOTrainer defaults: k = 2, KL in the reward, a ratio per response (summed)", lambda: Args(
+        exp_name="trl_rloo", rloo=RLOOHParams(rloo_k=2, importance_sampling_level="sequence_sum", loss_type="grpo"))),
+    "grpo": ("GRPO (DeepSeekMath): group baseline over its std, per-response means, k3 KL in the loss", lambda: Args(
+        exp_name="grpo", rloo=RLOOHParams(baseline="group_mean", scale_rewards="group", loss_type="grpo",
+                                          kl_in_reward=False, kl_estimator="k3", kl_coef=0.04))),
     "dr_grpo": ("Dr. GRPO: GRPO without the std scaling and the length normalisation, no KL", lambda: Args(
         exp_name="dr_grpo", rloo=RLOOHParams(baseline="group_mean", loss_type="dr_grpo", kl_coef=0.0))),
-    "dapo": ("DAPO without dynamic sampling: clip-higher, token-level loss, truncated responses masked, no KL, "
-             "4 mini-batches", lambda: Args(exp_name="dapo", rloo=RLOOHParams(
-                 baseline="group_mean", scale_rewards="group", loss_type="dapo", epsilon_high=0.28,
-                 mask_truncated_completions=True, kl_coef=0.0, num_mini_batches=4))),
+    "dapo": ("DAPO without dynamic sampling: clip-higher, truncated responses masked, no KL", lambda: Args(
+        exp_name="dapo", rloo=RLOOHParams(baseline="group_mean", scale_rewards="group", loss_type="dapo",
+                                          epsilon_high=0.28, mask_truncated_completions=True, kl_coef=0.0,
+                                          num_mini_batches=4))),
     "gspo": ("GSPO: one importance ratio per response, clipped to [1 - 3e-4, 1 + 4e-4], no KL, 4 mini-batches",
              lambda: Args(exp_name="gspo", rloo=RLOOHParams(
                  baseline="group_mean", scale_rewards="group", loss_type="grpo", importance_sampling_level="sequence",
@@ -237,23 +230,19 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
                    with_entropy: bool = False, entropy_grad: bool = False) -> tuple:
     """Logprobs [B, T] of tokens [B, T] under logits [B, T, V] as the sampler drew them: divided by the temperature
     and, with support = (top_k, top_p, min_p) set, renormalised over the tokens those filters keep (filter_logits;
-    each sampled token stays inside), so that filtered sampling is on-policy; the entropy [B, T] of that
-    distribution (None unless with_entropy), differentiable only if entropy_grad; and the logprobs [B, T] under the
-    full softmax at the temperature, which the KL compares with the reference's (the same tensor without filters).
-    Each logprob is the gathered logit minus a logsumexp: no [B, T, V] log-softmax is kept."""
+    each sampled token stays inside), so that filtered sampling is on-policy; and the entropy [B, T] of that
+    distribution, differentiable only if entropy_grad. The logprob is the gathered logit minus the logsumexp: no
+    [B, T, V] log-softmax is kept."""
     logits = logits.float() / temperature  # [B, T, V]
-    picked = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # [B, T]: inside every support (keep=tokens)
-    lse = logits.logsumexp(-1)  # [B, T]
-    full = picked - lse
     if tuple(support) != (0, 1.0, 0.0):
         logits = filter_logits(logits, *support, keep=tokens)
-        lse = logits.logsumexp(-1)
-    logprobs = picked - lse
+    lse = logits.logsumexp(-1)  # [B, T]
+    logprobs = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse
     if not with_entropy:
-        return logprobs, None, full
+        return logprobs, None
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         kept = logits.masked_fill(logits == -float("inf"), 0.0)  # filtered tokens: probability 0, no term
-        return logprobs, lse - (logits.softmax(-1) * kept).sum(-1), full
+        return logprobs, lse - (logits.softmax(-1) * kept).sum(-1)
 
 
 def sampler_metrics(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor) -> dict:
@@ -302,10 +291,9 @@ def group_advantages(rewards: torch.Tensor, k: int, baseline: str, scale: str) -
 def aggregate_loss(losses: torch.Tensor, mask: torch.Tensor, loss_type: str, tokens: torch.Tensor,
                    accumulation: int, max_completion_length: int) -> torch.Tensor:
     """One micro-batch's loss from per-token losses [b, T] on mask [b, T], as TRL's loss_type. dapo: the token sum
-    over `tokens`, the mini-batch's tokens on all processes / processes (every token weighs the same, whatever its
-    response's length). The others as TRL computes them per micro-batch, then divided by the accumulation steps:
-    bnpo, over the micro-batch's tokens; grpo, each response's token mean, then the mean over responses (a short
-    response's tokens weigh more); dr_grpo, over responses x max_completion_length, a constant."""
+    over `tokens`, the mini-batch's tokens on all processes / processes (every token weighs the same). The others as
+    TRL computes them per micro-batch, then / the accumulation steps: bnpo, over the micro-batch's tokens; grpo, each
+    response's token mean, then their mean (a short response's tokens weigh more); dr_grpo, / (responses x max_len)."""
     if loss_type == "dapo":
         return (losses * mask).sum() / tokens
     if loss_type == "bnpo":
@@ -318,8 +306,7 @@ def aggregate_loss(losses: torch.Tensor, mask: torch.Tensor, loss_type: str, tok
 
 
 def sequence_rewards(scores: torch.Tensor, process: list | None, aggregate: str, weight: float) -> torch.Tensor:
-    """What rloo_step gets: the scores [B], plus weight x each response's PRM step scores aggregated by min, mean or
-    last (0 for a response with no steps)."""
+    """What rloo_step gets: the scores [B] plus weight x each response's aggregated PRM step scores (0 if none)."""
     if process is None:
         return scores
     agg = {"min": min, "mean": lambda x: sum(x) / len(x), "last": lambda x: x[-1]}[aggregate]
@@ -329,8 +316,8 @@ def sequence_rewards(scores: torch.Tensor, process: list | None, aggregate: str,
 def shared_prefix_logprobs(policy, queries: torch.Tensor, responses: torch.Tensor, valid: torch.Tensor,
                            pad_token_id: int, temperature: float, support: tuple = (0, 1.0, 0.0),
                            with_entropy: bool = False, entropy_grad: bool = False) -> tuple:
-    """token_logprobs' triple (logprobs, entropy, full-softmax logprobs; [B, T] each) of k responses per prompt, each
-    prompt forwarded once and its KV cache repeated k times; queries [P, Lq] left-padded, responses and valid [B, T].
+    """token_logprobs' logprobs [B, T] and entropy [B, T] of k responses per prompt, each prompt forwarded once and its
+    KV cache repeated k times; queries [P, Lq] left-padded, responses and valid [B, T].
     Layers that checkpoint their activations keep no cache, and a forward that takes no cache object ignores one
     (takes_cache): then each response is forwarded with its own copy of the prompt."""
     k = responses.shape[0] // queries.shape[0]
@@ -356,13 +343,11 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
     """One RLOO (or GRPO-family) update on a batch of finished episodes, k = hp.rloo_k samples per prompt,
     contiguous: [p0s0, p0s1, ..., p1s0, ...].
 
-    queries [B, Lq] (or [B / k, Lq], one per prompt) left-padded prompt ids; responses [B, T] right-padded response
-    ids (a response ends after its first EOS); rewards [B] (one score per response) or [B, T] (per-token, summed per
-    response, padding positions included: no reward is dropped); masks [B, T] with 0 on response tokens that must
-    not be trained on (tool output: no gradient, no KL). Optional: sampler_logprobs [B, T], the sampler's logprob of
-    each token (logged against the trainer's, and used by hp.sampler_correction_cap); ended [B] bool, the responses
-    that ended with EOS or a stop string (None: those whose last token is EOS). ref_policy None means the policy
-    with its LoRA adapters off (peft). The models must not apply dropout (a ValueError from refuse_dropout)."""
+    queries [B, Lq] (or [B / k, Lq], one per prompt) left-padded prompt ids; responses [B, T] right-padded ids (a
+    response ends after its first EOS); rewards [B] or [B, T] (per-token, summed per response, padding included);
+    masks [B, T], 0 on tokens not to train on (tool output: no gradient, no KL). Optional: sampler_logprobs [B, T]
+    (logged, and for hp.sampler_correction_cap); ended [B] bool, the responses that ended with EOS or a stop string
+    (None: those whose last token is EOS). ref_policy None: the policy, LoRA adapters off. No dropout (ValueError)."""
     B, T = responses.shape
     k = hp.rloo_k
     if k < 2 or B % k:
@@ -379,7 +364,7 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
     if queries.shape[0] == B and not torch.equal(queries, queries[::k].repeat_interleave(k, 0)):
         raise ValueError("the k samples of each prompt must be contiguous and share one query")
     queries = queries[::k] if queries.shape[0] == B else queries  # [P, Lq]
-    support = (hp.top_k, hp.top_p, hp.min_p)  # the sampler's filters: the ratios use them; the KL the full softmax
+    support = (hp.top_k, hp.top_p, hp.min_p)  # the sampler's filters: the policy's and the reference's logprobs
     sampler_logprobs = None if sampler_logprobs is None else sampler_logprobs.to(device)  # [B, T], moved once
     high = hp.cliprange if hp.epsilon_high is None else hp.epsilon_high
 
@@ -393,18 +378,16 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
 
     # 2. Rollout forward passes without gradients, in chunks of whole prompts, each prompt forwarded once: reference
     # logprobs for the KL, and the policy's old logprobs when needed before the update; else (on-policy) they are the
-    # training passes' own: in one batch (fused) that pass is done here and kept, else filled in as they go. The KL
-    # compares both models' full softmax, filters or not (token_logprobs): 0 at identical weights, finite everywhere.
+    # training passes' own: in one batch (fused) that pass is done here and kept, else filled in as they go.
     on_policy = hp.num_ppo_epochs == 1 and hp.num_mini_batches == 1
     fused = on_policy and hp.gradient_accumulation_steps == 1
     need_old = not on_policy or (hp.kl_in_reward and hp.kl_coef > 0 and not fused)
     per_chunk = max(1, hp.forward_batch_size // k)
     chunks = [(slice(p, p + per_chunk), slice(p * k, (p + per_chunk) * k)) for p in range(0, P, per_chunk)]
 
-    def logprobs_of(model, support: tuple) -> tuple:  # [B, T] each, chunk by chunk: the sampler's, the full softmax's
-        parts = [shared_prefix_logprobs(model, queries[q], responses[r], valid[r], pad_token_id, hp.temperature,
-                                        support) for q, r in chunks]
-        return torch.cat([p[0] for p in parts]), torch.cat([p[2] for p in parts])
+    def logprobs_of(model) -> torch.Tensor:  # [B, T], chunk by chunk, under the sampler's filters
+        return torch.cat([shared_prefix_logprobs(model, queries[q], responses[r], valid[r], pad_token_id,
+                                                 hp.temperature, support)[0] for q, r in chunks])
 
     def forward(p, i) -> tuple:  # the update's forward pass, with gradients: logprobs and entropy of prompts p, rows i
         with autocast(hp.dtype, device):
@@ -414,21 +397,21 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
     first = forward(slice(None), slice(None)) if fused else None  # [B, T] each
     with torch.no_grad(), autocast(hp.dtype, device):
         if need_old:
-            old_logprobs, old_full = logprobs_of(policy, support)
-        else:  # on-policy: the logprobs and full logprobs of the first pass (fused), or filled in as they go
-            old_logprobs, old_full = torch.stack(first[::2]).detach() if fused else torch.zeros(2, B, T, device=device)
+            old_logprobs = logprobs_of(policy)
+        else:  # on-policy
+            old_logprobs = first[0].detach() if fused else torch.zeros(B, T, device=device)
         ref_logprobs = None
         if hp.kl_coef > 0:
             ref_model, ref_context = reference(policy, ref_policy)  # ref_policy None: the policy, adapters off
             with ref_context:
-                ref_logprobs = logprobs_of(ref_model, (0, 1.0, 0.0))[0]  # the reference's full distribution
+                ref_logprobs = logprobs_of(ref_model)  # the reference as the same sampler: 0 KL at equal weights
 
         def kl_of(logprobs: torch.Tensor, i=slice(None)) -> torch.Tensor:  # [b, T] per-token KL of rows i (0 if no KL)
             return kl_penalty(logprobs, ref_logprobs[i], estimator) if hp.kl_coef > 0 else torch.zeros_like(logprobs)
 
         # 3. Sequence rewards: score minus kl_coef x the summed KL of the trained tokens (when the KL is in the reward).
         scores = rewards if rewards.dim() == 1 else rewards.sum(1)  # [B]: all of it, padding positions too
-        non_score = -hp.kl_coef * (kl_of(old_full) * train).sum(1) if hp.kl_in_reward else torch.zeros_like(scores)
+        non_score = -hp.kl_coef * (kl_of(old_logprobs) * train).sum(1) if hp.kl_in_reward else torch.zeros_like(scores)
         sequence_rewards = scores + non_score  # [B]
 
         # 4. Baselines and advantages: leave-one-out or the group mean, optionally over the group's or batch's std.
@@ -437,8 +420,7 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
         advantage_std = torch.sqrt(global_sum((advantages ** 2).sum()) / n)  # the advantages have mean 0 per prompt
         equal_groups = (scores.view(P, k) == scores.view(P, k)[:, :1]).all(1).float().mean()  # no task signal
 
-    # 5. Clipped policy-gradient epochs over shuffled mini-batches of whole prompts; the sequence advantage weights
-    # every trained token; the token losses become one as hp.loss_type says.
+    # 5. Clipped policy-gradient epochs over shuffled mini-batches of prompts; token losses aggregated by hp.loss_type.
     params = [p for g in optimizer.param_groups for p in g["params"]]
     stats = {key: [] for key in ("policy/approxkl_avg", "policy/clipfrac_avg", "policy/clipfrac_low_avg",
                                  "policy/clipfrac_high_avg", "policy/entropy_avg", "loss/policy_avg", "loss/kl_avg",
@@ -450,21 +432,20 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
             bad = torch.zeros((), device=device)
             for pi in mb.split(micro):
                 i = (pi[:, None] * k + torch.arange(k, device=device)).flatten()
-                new_logprobs, entropy, new_full = (x[i] for x in first) if fused else forward(pi, i)
+                new_logprobs, entropy = (x[i] for x in first) if fused else forward(pi, i)
                 if not need_old and not fused:
-                    old_logprobs[i], old_full[i] = new_logprobs.detach(), new_full.detach()
+                    old_logprobs[i] = new_logprobs.detach()
                 log_ratio = new_logprobs - old_logprobs[i]  # [b, T]
-                if hp.importance_sampling_level != "token":  # one per response, [b, 1]: the sum (TRL's RLOO) or mean
-                    log_ratio = (log_ratio * in_loss[i]).sum(1, keepdim=True)
-                    if hp.importance_sampling_level == "sequence":  # GSPO
-                        log_ratio = log_ratio / in_loss[i].sum(1, keepdim=True).clamp(min=1)
+                if hp.importance_sampling_level != "token":  # one per response [b, 1]: mean (GSPO) or sum (TRL RLOO)
+                    n = in_loss[i].sum(1).clamp(min=1) if hp.importance_sampling_level == "sequence" else 1
+                    log_ratio = ((log_ratio * in_loss[i]).sum(1) / n)[:, None]
                 ratio = log_ratio.exp()
                 adv = advantages[i, None]  # [b, 1]
                 pg_losses = torch.max(-adv * ratio, -adv * ratio.clamp(1 - hp.cliprange, 1 + high))  # [b, T]
                 if hp.sampler_correction_cap is not None and sampler_logprobs is not None:
                     weight = (old_logprobs[i] - sampler_logprobs[i]).exp()  # [b, T], truncated at the cap
                     pg_losses = pg_losses * weight.clamp(max=hp.sampler_correction_cap)
-                kl_losses = kl_of(new_full, i)  # [b, T]
+                kl_losses = kl_of(new_logprobs, i)  # [b, T]
                 token_losses = pg_losses if hp.kl_in_reward else pg_losses + hp.kl_coef * kl_losses
                 loss = aggregate_loss(token_losses, in_loss[i], hp.loss_type, n_loss, hp.gradient_accumulation_steps,
                                       hp.max_completion_length or T)
@@ -488,7 +469,7 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
 
     # 6. Metrics (means over this process's batch; the caller averages them over processes).
     return {
-        "objective/kl": (kl_of(old_full) * train).sum(1).mean().item(),
+        "objective/kl": (kl_of(old_logprobs) * train).sum(1).mean().item(),
         "objective/entropy": (-old_logprobs * train).sum(1).mean().item(),
         "objective/non_score_reward": non_score.mean().item(),
         "objective/rlhf_reward": sequence_rewards.mean().item(),
@@ -774,12 +755,10 @@ def load_policy(name: str, trust_remote_code: bool) -> tuple:
 
 
 def fp32_output_layer(model: torch.nn.Module) -> torch.nn.Module:
-    """Make the model's output layer (lm_head) compute in fp32 under bf16 autocast too; a no-op in fp32. Autocast
-    would round the logits to bf16 (3 significant digits): logits of 10 are then off by up to 0.03, and so are the
-    logprobs whose differences make the ratios and the KL, and sampling draws from a rounded softmax. Only this
-    matmul moves to fp32; the model's own forward runs as before (MiniMax-M1, arXiv:2506.13585, found its bf16 LM
-    head to be where training and inference probabilities parted). It is the one forward replaced at run time, on
-    every device alike: autocast has no per-layer dtype, and fp32 logits matter on a GPU as much as here."""
+    """Make the model's output layer (lm_head) compute in fp32 under bf16 autocast too; a no-op in fp32. In bf16 (3
+    significant digits) logits of 10 are off by up to 0.03, and so are the logprobs whose differences make the ratios
+    and the KL (MiniMax-M1, arXiv:2506.13585, found its bf16 LM head to be where training and inference parted). The
+    one forward replaced at run time, on every device alike: autocast has no per-layer dtype."""
     def forward(head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         with torch.autocast(hidden.device.type, enabled=False):
             return type(head).forward(head, hidden.float())
@@ -895,28 +874,21 @@ def render_prompt(tokenizer, prompt: str | list) -> list[int]:
 
 @dataclass
 class Task:
-    """A loaded task (load_task): where prompts come from, the fixed evaluation rows, and what scores responses."""
+    """A loaded task (load_task): the flags it was loaded from, the prompt source (a function fn(rng) -> row, or a
+    dataset of rows), the fixed evaluation rows, the (spec, function) of each reward function and their weights, the
+    reward model (a sequence classifier whose weighted score is added) and the process reward model (a two-label
+    token classifier), each with its own tokenizer or None, and the policy's context length in tokens."""
 
     args: TaskArgs
-    """the flags it was loaded from"""
     source: Callable | datasets.Dataset
-    """a prompt function fn(rng) -> row, or a dataset of rows"""
     eval_rows: list[dict]
-    """the fixed evaluation rows"""
     reward_fns: list[tuple[str, Callable]] = field(default_factory=list)
-    """(spec, function) of each reward function"""
     weights: list[float] = field(default_factory=list)
-    """one weight per reward function"""
     reward_model: Any = None
-    """sequence classifier whose score is added (weighted), or None"""
     rm_tokenizer: Any = None
-    """the reward model's own tokenizer"""
     prm: Any = None
-    """process reward model (two-label token classifier), or None"""
     prm_tokenizer: Any = None
-    """the PRM's own tokenizer"""
     context: int = 10**9
-    """the policy's context length in tokens"""
 
 
 def load_task(task: TaskArgs, tokenizer, context: int, max_new_tokens: int, trust_remote_code: bool = False,
@@ -1003,9 +975,8 @@ def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
 
 def generation_configs(gen: GenArgs, tokenizer, temperature: float, top_k: int = 0, top_p: float = 1.0,
                        min_p: float = 0.0) -> tuple[GenerationConfig, GenerationConfig]:
-    """The sampling configuration for rollouts and the greedy one for evaluation; the off-policy note, once, when
-    --min-new-tokens or --repetition-penalty is set. Every filter and penalty is set, off or on: `generate` fills an
-    unset one from the model's own generation_config, which the decode loop and the update never see."""
+    """The sampling configuration for rollouts and the greedy one for evaluation, every filter set (`generate` fills
+    an unset one from the model's generation_config); the off-policy note once, for --min-new-tokens or a penalty."""
     if off_policy_note(gen) and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
         print_once(off_policy_note(gen))
     common = dict(max_new_tokens=gen.max_new_tokens, min_new_tokens=gen.min_new_tokens or None, typical_p=1.0,
@@ -1176,8 +1147,8 @@ def generate(policy, tokenizer, queries: torch.Tensor, gen: GenerationConfig, st
     if takes_cache(policy):
         out, logprobs = decode_loop(policy, queries, attention_mask, gen, stop)
     else:
-        print_once(f"generation through model.generate: {type(base_model(policy)).__name__}'s forward takes no cache "
-                   "object, so the sampler's logprobs are unknown: no sampling/* metrics, no --sampler-correction-cap")
+        print_once(f"generation through model.generate: {type(policy).__name__}'s forward takes no cache object, so "
+                   "the sampler's logprobs are unknown: no sampling/* metrics, no --sampler-correction-cap")
         criteria = StoppingCriteriaList([lambda ids, scores, **kw: stop(ids[:, Lq:])]) if stop else None
         out = policy.generate(input_ids=queries, attention_mask=attention_mask, generation_config=gen,
                               stopping_criteria=criteria, synced_gpus=torch.distributed.is_initialized())[:, Lq:]
@@ -1185,14 +1156,11 @@ def generate(policy, tokenizer, queries: torch.Tensor, gen: GenerationConfig, st
     return *cut_responses(tokenizer, out.cpu(), stop_strings), None if logprobs is None else logprobs.cpu()
 
 
-def base_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The model inside peft's wrapper (the model itself without LoRA)."""
-    return model.get_base_model() if isinstance(model, peft.PeftModel) else model
-
-
 def takes_cache(model: torch.nn.Module) -> bool:
-    """Whether the model's forward takes a key/value cache object (`cache`: transformers' own causal LMs)."""
-    return "cache" in inspect.signature(type(base_model(model)).forward).parameters
+    """Whether the model's forward (inside peft's wrapper) takes a key/value cache object (`cache`: transformers'
+    own causal LMs)."""
+    model = model.get_base_model() if isinstance(model, peft.PeftModel) else model
+    return "cache" in inspect.signature(type(model).forward).parameters
 
 
 def cut_responses(tokenizer, responses: torch.Tensor, stop_strings: list[str]) -> tuple:
@@ -1415,7 +1383,7 @@ def shard(model: torch.nn.Module, mesh) -> torch.nn.Module:
     for module in model.modules():
         if type(module).__name__ in layers:
             fully_shard(module, mesh=mesh)
-    fully_shard(base_model(model), mesh=mesh)
+    fully_shard(model.get_base_model() if isinstance(model, peft.PeftModel) else model, mesh=mesh)
     return model
 
 
@@ -1506,15 +1474,13 @@ def average_metrics(metrics: dict, device: torch.device, counts: tuple[str, ...]
     """Each metric over all processes: the keys in `counts` (per-process counts, e.g. val/num_eos_tokens) summed,
     keys ending in /min and /max the minimum and maximum, every other key (means, and counts every process shares,
     e.g. loss/nonfinite_skipped) averaged. Every process passes the same keys."""
-    values = global_sum(torch.tensor(list(metrics.values()), dtype=torch.float64, device=device)).tolist()
-    out = {k: v if k in counts else v / world_size() for k, v in zip(metrics, values)}
-    for suffix, op in (("/min", "MIN"), ("/max", "MAX")):
-        keys = [k for k in metrics if k.endswith(suffix)]
-        if keys and torch.distributed.is_initialized():
-            extreme = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=device)
-            torch.distributed.all_reduce(extreme, op=getattr(torch.distributed.ReduceOp, op))
-            out.update(zip(keys, extreme.tolist()))
-    return out
+    local = torch.tensor(list(metrics.values()), dtype=torch.float64, device=device)
+    sign = torch.tensor([-1.0 if k.endswith("/min") else 1.0 for k in metrics], dtype=torch.float64, device=device)
+    extreme = sign * local  # the maximum of -x over processes is minus the minimum of x
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(extreme, op=torch.distributed.ReduceOp.MAX)
+    rows = zip(metrics, global_sum(local).tolist(), (sign * extreme).tolist())
+    return {k: e if k.endswith(("/min", "/max")) else v if k in counts else v / world_size() for k, v, e in rows}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -1551,8 +1517,7 @@ def log_row(path: Path | None, run, row: dict, samples: list | None = None) -> N
     if samples:
         with (path.parent / "samples.jsonl").open("a") as f:
             f.writelines(json.dumps({"iteration": row["iteration"], **s}, default=str) + "\n" for s in samples)
-        tqdm.write(f"iteration {row['iteration']}: {len(samples)} evaluation completions in samples.jsonl, the first "
-                   "3:")
+        tqdm.write(f"iteration {row['iteration']}: {len(samples)} evaluation completions in samples.jsonl, first 3:")
         for s in samples[:3]:
             prompt = s["prompt"] if isinstance(s["prompt"], str) else s["prompt"][-1]["content"]  # chat: last message
             tqdm.write(f"  score {s['score']:+.3f} | {prompt!r} -> {s['completion']!r}")

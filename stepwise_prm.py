@@ -258,8 +258,7 @@ def best_of_n(model, tokenizer, candidates: list[list[dict]], step_separator: st
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The loop: the numbered steps below. main() calls the machinery under the marker: Python looks names up when a call
-# runs, so they may be defined after it.
+# The loop: the numbered steps below (main calls the machinery under the marker: names resolve at the call).
 
 
 def main(args: Args) -> None:
@@ -749,15 +748,13 @@ def average_metrics(metrics: dict, device: torch.device, counts: tuple[str, ...]
     """Each metric over all processes: the keys in `counts` (per-process counts, e.g. val/num_eos_tokens) summed,
     keys ending in /min and /max the minimum and maximum, every other key (means, and counts every process shares,
     e.g. loss/nonfinite_skipped) averaged. Every process passes the same keys."""
-    values = global_sum(torch.tensor(list(metrics.values()), dtype=torch.float64, device=device)).tolist()
-    out = {k: v if k in counts else v / world_size() for k, v in zip(metrics, values)}
-    for suffix, op in (("/min", "MIN"), ("/max", "MAX")):
-        keys = [k for k in metrics if k.endswith(suffix)]
-        if keys and torch.distributed.is_initialized():
-            extreme = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=device)
-            torch.distributed.all_reduce(extreme, op=getattr(torch.distributed.ReduceOp, op))
-            out.update(zip(keys, extreme.tolist()))
-    return out
+    local = torch.tensor(list(metrics.values()), dtype=torch.float64, device=device)
+    sign = torch.tensor([-1.0 if k.endswith("/min") else 1.0 for k in metrics], dtype=torch.float64, device=device)
+    extreme = sign * local  # the maximum of -x over processes is minus the minimum of x
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(extreme, op=torch.distributed.ReduceOp.MAX)
+    rows = zip(metrics, global_sum(local).tolist(), (sign * extreme).tolist())
+    return {k: e if k.endswith(("/min", "/max")) else v if k in counts else v / world_size() for k, v, e in rows}
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -61,9 +61,9 @@ def test_bf16_logprobs_are_the_fp32_softmax_of_the_hidden_states(script):
     expected = fp32_logprobs_of_bf16_hidden(policy, input_ids, attention_mask, responses)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         if script is ppo:
-            logprobs, _, _ = ppo.response_logprobs(policy, input_ids, attention_mask, responses, 1.0)
+            logprobs, _ = ppo.response_logprobs(policy, input_ids, attention_mask, responses, 1.0)
         else:
-            logprobs, _, _ = rloo.shared_prefix_logprobs(policy, queries, responses, torch.ones_like(responses).bool(),
+            logprobs, _ = rloo.shared_prefix_logprobs(policy, queries, responses, torch.ones_like(responses).bool(),
                                                       tokenizer.pad_token_id, 1.0)
     assert expected.abs().max() > 1  # peaked enough for bf16 logits to be visibly rounded
     torch.testing.assert_close(logprobs, expected, rtol=0, atol=1e-5)

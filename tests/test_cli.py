@@ -111,8 +111,8 @@ def test_each_evaluation_writes_its_completions_and_prints_three(script, tmp_pat
         [{"role": "user", "content": f"1+{b}="}] for b in range(2)]
     assert all(s["score"] == pytest.approx(-0.1) for s in samples)  # `length` of a chat completion: one message
     for iteration in (0, 1, 2):
-        assert f"iteration {iteration}: 6 evaluation completions in samples.jsonl, the first 3:" in result.stdout
-    block = result.stdout.split("iteration 2: 6 evaluation completions in samples.jsonl, the first 3:\n")[1]
+        assert f"iteration {iteration}: 6 evaluation completions in samples.jsonl, first 3:" in result.stdout
+    block = result.stdout.split("iteration 2: 6 evaluation completions in samples.jsonl, first 3:\n")[1]
     first = samples[12]
     assert block.splitlines()[0] == f"  score {first['score']:+.3f} | '0+0=' -> {first['completion']!r}"
 

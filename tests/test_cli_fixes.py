@@ -38,12 +38,13 @@ COMBINE = textwrap.dedent('''
 
     rank, world, device = ppo.setup_distributed()
     metrics = {"val/num_eos_tokens": float(rank + 1), "objective/scores": float(rank + 1),
-               "loss/nonfinite_skipped": 1.0, "sampling/importance_sampling_ratio/min": 0.9 + rank / 20,
-               "sampling/importance_sampling_ratio/max": 1.1 + rank / 20}
+               "loss/nonfinite_skipped": 1.0, "sampling/importance_sampling_ratio/min": 0.5 + rank / 4,
+               "sampling/importance_sampling_ratio/max": 1.5 + rank / 4}
     for module in (ppo, rloo, stepwise_prm):
         out = module.average_metrics(metrics, device, counts=("val/num_eos_tokens",))
         assert out == {"val/num_eos_tokens": 3.0, "objective/scores": 1.5, "loss/nonfinite_skipped": 1.0,
-                       "sampling/importance_sampling_ratio/min": 0.9, "sampling/importance_sampling_ratio/max": 1.15}, out
+                       "sampling/importance_sampling_ratio/min": 0.5,
+                       "sampling/importance_sampling_ratio/max": 1.75}, out
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     print(f"rank {rank} combined", flush=True)

@@ -6,8 +6,8 @@ the files the page shows with a title (```python title="my_rewards.py"```) are w
 appended to each command (they override the documented ones), hub ids are replaced by local stand-ins built from
 config (nothing can be downloaded here), torchrun runs 2 processes on one machine, and the benchmarks that need TRL's
 own virtual environment, take an hour, check out another commit or need a real model (vs_trl.py, prm_rewards.py,
-before_after.py, real_model.py, grpo_family.py; tests/test_real_model.py runs real_model.py small) are checked with
---help: every flag the page uses must be one they take. The commands of the four
+before_after.py, real_model.py, grpo_family.py, filtered_kl.py; tests/test_real_model.py runs real_model.py small) are
+checked with --help: every flag the page uses must be one they take. The commands of the four
 scripts run in the test's process (conftest.run_main runs the script's __main__ block as `python` would), except
 those with --track or --compile and those under torchrun, which get a process of their own.
 """
@@ -47,7 +47,7 @@ TINY = {
     "benchmarks/plot.py": [],
 }
 HELP_ONLY = {"benchmarks/vs_trl.py", "benchmarks/prm_rewards.py", "benchmarks/before_after.py",
-             "benchmarks/real_model.py", "benchmarks/grpo_family.py"}
+             "benchmarks/real_model.py", "benchmarks/grpo_family.py", "benchmarks/filtered_kl.py"}
 HUB_MODELS = {"Qwen/Qwen2.5-0.5B-Instruct", "Qwen/Qwen2.5-0.5B", "Qwen/Qwen2.5-1.5B-Instruct",
               "Qwen/Qwen2.5-7B-Instruct", "./my-sft-model"}
 FENCE = re.compile(r"^```(\w*)([^\n]*)\n(.*?)^```", re.M | re.S)

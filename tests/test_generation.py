@@ -268,7 +268,8 @@ def test_a_model_whose_forward_takes_no_cache_object_goes_through_generate_said_
     for _ in range(2):
         responses, _, _, _ = ppo.generate(model, tokenizer, queries, greedy, [])
     assert capsys.readouterr().out == ("generation through model.generate: PastKeyValuesLM's forward takes no cache "
-                                       "object\n")
+                                       "object, so the sampler's logprobs are unknown: no sampling/* metrics, no "
+                                       "--sampler-correction-cap\n")
     mask = ((queries != tokenizer.pad_token_id).cumsum(1) > 0).long()
     expected = model.generate(input_ids=queries, attention_mask=mask, generation_config=greedy)[:, queries.shape[1]:]
     assert torch.equal(responses, ppo.cut_responses(tokenizer, expected, [])[0])

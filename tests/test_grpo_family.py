@@ -262,9 +262,9 @@ def test_filtered_sampling_is_on_policy():
     responses, lengths, _, sampler = rloo.generate(model, tokenizer, queries, sample, [])
     valid = torch.arange(responses.shape[1])[None] < lengths[:, None]
     with torch.no_grad():
-        exact, _, _ = rloo.shared_prefix_logprobs(model, queries[::8], responses, valid, tokenizer.pad_token_id, 1.0,
+        exact, _ = rloo.shared_prefix_logprobs(model, queries[::8], responses, valid, tokenizer.pad_token_id, 1.0,
                                                (3, 0.9, 0.0))
-        full, _, _ = rloo.shared_prefix_logprobs(model, queries[::8], responses, valid, tokenizer.pad_token_id, 1.0)
+        full, _ = rloo.shared_prefix_logprobs(model, queries[::8], responses, valid, tokenizer.pad_token_id, 1.0)
     assert (exact - sampler)[valid].abs().max() < 1e-5
     assert (full - sampler)[valid].abs().max() > 0.1
 
@@ -272,7 +272,7 @@ def test_filtered_sampling_is_on_policy():
 def test_a_sampled_token_stays_inside_the_support():
     """Float noise between sampler and trainer can move a token across the top-k boundary: the update keeps it."""
     logits = torch.tensor([[[3.0, 2.0, 1.999, 0.0]]])  # [1, 1, V]: token 2 is just outside top-2
-    logprobs, _, _ = rloo.token_logprobs(logits, torch.tensor([[2]]), 1.0, (2, 1.0, 0.0))
+    logprobs, _ = rloo.token_logprobs(logits, torch.tensor([[2]]), 1.0, (2, 1.0, 0.0))
     assert torch.isfinite(logprobs).all()
     expected = logits[0, 0, :3].log_softmax(-1)[2]
     torch.testing.assert_close(logprobs[0, 0], expected)

@@ -115,7 +115,7 @@ def test_response_logprobs_ignore_left_padding_and_match_log_softmax(arch):
     queries = ppo.left_pad([short, long], tokenizer.pad_token_id)
     responses = torch.tensor([[7, 8, 2], [9, 10, 2]])
     mask = torch.cat([((queries != tokenizer.pad_token_id).cumsum(1) > 0), torch.ones_like(responses).bool()], 1)
-    logprobs, entropy, _ = ppo.response_logprobs(model, torch.cat([queries, responses], 1), mask.long(), responses, 0.7,
+    logprobs, entropy = ppo.response_logprobs(model, torch.cat([queries, responses], 1), mask.long(), responses, 0.7,
                                               with_entropy=True)
     alone = torch.cat([torch.tensor([short]), responses[:1]], 1)
     full = model(alone).logits[:, len(short) - 1:-1].float() / 0.7
@@ -191,8 +191,8 @@ def test_masked_tokens_get_no_gradient_and_no_kl():
         attention = torch.cat([(queries != tokenizer.pad_token_id).cumsum(1) > 0,
                                torch.tensor([[1, 1, 1, 1, 0]] * 8).bool()], 1).long()
         policy_before = make_models()[1]
-        lp, _, _ = ppo.response_logprobs(policy_before, input_ids, attention, responses, 1.0)
-        rp, _, _ = ppo.response_logprobs(ref, input_ids, attention, responses, 1.0)
+        lp, _ = ppo.response_logprobs(policy_before, input_ids, attention, responses, 1.0)
+        rp, _ = ppo.response_logprobs(ref, input_ids, attention, responses, 1.0)
     expected_kl = (lp - rp)[:, [0, 3]].sum(1).mean().item()
     assert metrics["objective/kl"] == pytest.approx(expected_kl, rel=1e-4, abs=1e-5)
 

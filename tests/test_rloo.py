@@ -47,7 +47,7 @@ def test_shared_prefix_equals_forwarding_each_prompt_k_times(arch):
     responses = torch.randint(4, len(tokenizer), (6, 5))
     responses[0, 3:] = pad
     valid = responses != pad
-    shared, entropy, _ = rloo.shared_prefix_logprobs(model, queries, responses, valid, pad, 0.7, with_entropy=True)
+    shared, entropy = rloo.shared_prefix_logprobs(model, queries, responses, valid, pad, 0.7, with_entropy=True)
     (shared * valid).sum().backward()
     grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()

@@ -10,11 +10,11 @@ import json
 
 import pytest
 import torch
+from test_generation import PastKeyValuesLM
 
 import ppo
 import rloo
 from conftest import ROOT, assert_one_line_error, run_main
-from test_generation import PastKeyValuesLM
 
 FILTERS = {"top-k 3": (3, 1.0, 0.0), "top-p 0.9": (0, 0.9, 0.0), "min-p 0.1": (0, 1.0, 0.1),
            "all three": (3, 0.9, 0.1)}
@@ -67,13 +67,29 @@ def test_the_kl_is_zero_at_identical_weights_with_every_filter(support, script, 
     assert metrics["sampling/sampling_logp_difference/max"] < 1e-4
 
 
-def test_the_kl_compares_full_distributions_and_the_ratio_the_filtered_one():
-    """token_logprobs' third output is the full softmax's logprob (the KL's), its first the filtered one (the
-    ratio's): with top-k 2 over logits (0, 1, 2), token 2 has log(e^2 / (e + e^2)) and log(e^2 / (1 + e + e^2))."""
-    logits = torch.tensor([[[0.0, 1.0, 2.0]]])
-    filtered, _, full = rloo.token_logprobs(logits, torch.tensor([[2]]), 1.0, (2, 1.0, 0.0))
-    assert filtered.item() == pytest.approx(2 - torch.tensor([1.0, 2.0]).logsumexp(0).item(), abs=1e-6)
-    assert full.item() == pytest.approx(2 - torch.tensor([0.0, 1.0, 2.0]).logsumexp(0).item(), abs=1e-6)
+def test_the_reference_is_scored_as_the_same_sampler():
+    """Away from identical weights, both sides of the KL take the sampler's filters, each model on its own logits:
+    rloo_step's objective/kl is the summed k1 of the two filtered logprobs, not of the policy's filtered logprobs
+    against the reference's full softmax (the former code)."""
+    tokenizer, model, queries, responses, sampler_logprobs = sampled_batch((3, 1.0, 0.0))
+    ref = copy.deepcopy(model).requires_grad_(False)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    valid = rloo.response_valid_mask(responses, pad, eos)
+    with torch.no_grad():
+        def logprobs(m, support):
+            return rloo.shared_prefix_logprobs(m, queries[::4], responses, valid, pad, TEMPERATURE, support)[0]
+
+        policy_lp, ref_lp = logprobs(model, (3, 1.0, 0.0)), logprobs(ref, (3, 1.0, 0.0))
+        ref_full = logprobs(ref, (0, 1.0, 0.0))
+    hp = rloo.RLOOHParams(top_k=3, temperature=TEMPERATURE)
+    metrics = rloo.rloo_step(model, ref, torch.optim.SGD(model.parameters(), lr=0.0), queries, responses,
+                             torch.zeros(len(responses)), hp=hp, pad_token_id=pad, eos_token_id=eos)
+    expected = ((policy_lp - ref_lp) * valid).sum(1).mean().item()
+    assert metrics["objective/kl"] == pytest.approx(expected, abs=1e-5)
+    assert abs(((policy_lp - ref_full) * valid).sum(1).mean().item() - expected) > 0.1
 
 
 def test_shared_prefix_logprobs_of_a_model_without_a_cache_object_see_the_prompt():
