@@ -11,8 +11,7 @@ al. 2022) done as whole steps. docs/interleave.md explains the schedule, the pha
     python interleave.py rl-with-sft-on-failures --rloo.reward-fn my_rewards.py:score --rloo.prompt-fn ...
 
 The phases call the step functions of the other scripts (`ppo_step`, `rloo_step`, `prm_step`); this file adds
-`sft_step`, the schedule and the loop.
-"""
+`sft_step`, the schedule and the loop."""
 
 import contextlib
 import copy
@@ -92,6 +91,8 @@ class SFTPhase:
     """gradient-norm clip"""
     skip_nonfinite: bool = False
     """skip (and count) a step whose loss or gradient norm is NaN/inf, instead of stopping the run"""
+    logits_chunk: int = 2 ** 24
+    """logits made at a time (positions x vocabulary rows), recomputed in the backward pass (0: all at once)"""
 
 
 @dataclass
@@ -237,24 +238,24 @@ def sft_batch(tokenizer, prompts: list, completions: list[str]) -> dict[str, tor
 
 
 def sft_step(policy, optimizer, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor, *,
-             max_grad_norm: float = 1.0, skip_nonfinite: bool = False) -> dict[str, float]:
-    """One supervised step: next-token cross-entropy on the labelled tokens, summed and divided by their count over
-    all processes. input_ids, attention_mask, labels [B, L] (labels -100 where there is nothing to learn)."""
+             max_grad_norm: float = 1.0, skip_nonfinite: bool = False, logits_chunk: int = 2 ** 24) -> dict[str, float]:
+    """One supervised step: next-token cross-entropy on the labelled tokens (input_ids, attention_mask, labels [B, L],
+    labels -100 where there is nothing to learn), summed over all processes and divided by their count."""
     device = next(policy.parameters()).device
     input_ids, attention_mask, labels = input_ids.to(device), attention_mask.to(device), labels.to(device)
-    logits = policy(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()  # [B, L-1, V]
-    targets = labels[:, 1:]
-    mask = targets != -100
+    _, h, head = ppo.forward_to_head(policy, input_ids.shape[1], logits_chunk, input_ids=input_ids,
+                                     attention_mask=attention_mask)  # h [B, L, H], or the logits [B, L, V]
+    targets, mask = labels[:, 1:], labels[:, 1:] != -100  # [B, L-1]
     n = ppo.global_sum(mask.sum().float()).clamp(min=1) / ppo.world_size()
-    losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets.clamp(min=0), reduction="none")
+    losses, hits = ppo.over_logits(head, h[:, :-1], targets.clamp(min=0), lambda x, t: (  # [B, L-1]: loss, argmax hit
+        -ppo.token_logprobs(x, t, 1.0)[0], (x.argmax(-1) == t).float()), logits_chunk)
     loss = (losses * mask).sum() / n
     loss.backward()  # even when not finite: every process runs the same collectives
     finite = torch.isfinite(loss)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     taken = ppo.step_or_skip(optimizer, params, ppo.global_sum((~finite).float()) > 0, max_grad_norm, skip_nonfinite)
-    correct = (logits.argmax(-1) == targets) & mask
     return {"loss": ppo.masked_mean(losses.detach(), mask).item(),
-            "token_accuracy": (correct.sum() / mask.sum().clamp(min=1)).item(), "nonfinite_skipped": float(not taken)}
+            "token_accuracy": ppo.masked_mean(hits, mask).item(), "nonfinite_skipped": float(not taken)}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -415,7 +416,7 @@ def sft_phase_step(args: Args, policy, optimizer, tokenizer, demos: ppo.Task, da
         del failures[:local]
     batch = sft_batch(tokenizer, [r["prompt"] for r in rows], [str(r[args.sft.completion_column]) for r in rows])
     return sft_step(policy, optimizer, **batch, max_grad_norm=args.sft.max_grad_norm,
-                    skip_nonfinite=args.sft.skip_nonfinite)
+                    skip_nonfinite=args.sft.skip_nonfinite, logits_chunk=args.sft.logits_chunk)
 
 
 def rl_phase_step(args: Args, phase: str, models: dict, ref_policy, optimizer, tokenizer, task: ppo.Task, sample,
@@ -500,8 +501,7 @@ def load_phase(args: Args, phase: str, tokenizer, context: int) -> ppo.Task | li
 
 def check_args(args: Args) -> bool:
     """Validate the schedule and the phases before any model is loaded, one line per problem; True when every RL
-    phase takes the built-in task's prompts. The number of processes comes from torchrun's WORLD_SIZE, as the
-    process group does not exist yet."""
+    phase takes the built-in task's prompts. Processes: torchrun's WORLD_SIZE (the group does not exist yet)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     unknown = [p for p in args.phases if p not in PHASES]
     if unknown or not args.phases or len(set(args.phases)) != len(args.phases):

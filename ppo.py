@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import distribute_tensor
+from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 from transformers import (
     AutoModelForCausalLM,
@@ -99,6 +100,8 @@ class PPOHParams:
     """gradient-norm clip for policy and value parameters together"""
     forward_batch_size: int = 64
     """rows per chunk in the no-grad rollout forward passes"""
+    logits_chunk: int = 2 ** 24
+    """logits made at once (positions x vocabulary rows; 64 MB fp32), recomputed in backward (0: whole [B, T, V])"""
     skip_nonfinite: bool = False
     """skip (and count) a mini-batch whose loss or gradient norm is NaN/inf, instead of stopping the run"""
     dtype: Literal["fp32", "bf16"] = "fp32"
@@ -209,12 +212,11 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, support: tuple = (0, 1.0, 0.0),
                    with_entropy: bool = False, entropy_grad: bool = False) -> tuple:
-    """Logprobs [B, T] of tokens [B, T] under logits [B, T, V] as the sampler drew them: divided by the temperature
-    and, with support = (top_k, top_p, min_p) set, renormalised over the tokens those filters keep (filter_logits;
-    each sampled token stays inside), so that filtered sampling is on-policy; and the entropy [B, T] of that
-    distribution, differentiable only if entropy_grad. The logprob is the gathered logit minus the logsumexp: no
-    [B, T, V] log-softmax is kept."""
-    logits = logits.float() / temperature  # [B, T, V]
+    """Logprobs [B, T] of tokens [B, T] under logits [B, T, V] (or [N], [N, V]) as the sampler drew them: divided by
+    the temperature and, with support = (top_k, top_p, min_p) set, renormalised over the tokens those filters keep
+    (filter_logits; each sampled token stays inside), so that filtered sampling is on-policy; and that distribution's
+    entropy, differentiable only if entropy_grad. Gathered logit minus logsumexp: no log-softmax is kept."""
+    logits = logits.float() / temperature  # [B, T, V] (or a chunk [N, V] from over_logits)
     if tuple(support) != (0, 1.0, 0.0):
         logits = filter_logits(logits, *support, keep=tokens)
     lse = logits.logsumexp(-1)  # [B, T]
@@ -250,12 +252,14 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float) -
 
 
 def response_logprobs(policy, input_ids, attention_mask, responses: torch.Tensor, temperature: float,
-                      support: tuple = (0, 1.0, 0.0), with_entropy: bool = False, entropy_grad: bool = False) -> tuple:
-    """token_logprobs' logprobs [B, T] and entropy [B, T] of the response tokens, from logits at response positions
-    only; support (top_k, top_p, min_p) as the sampler's."""
-    logits = policy(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask),
-                    logits_to_keep=responses.shape[1] + 1).logits[:, :-1]  # [B, T, V]
-    return token_logprobs(logits, responses, temperature, support, with_entropy, entropy_grad)
+                      support: tuple = (0, 1.0, 0.0), with_entropy: bool = False, entropy_grad: bool = False,
+                      chunk: int = 0) -> tuple:
+    """token_logprobs' logprobs [B, T] and entropy [B, T] of the response tokens, support (top_k, top_p, min_p) as the
+    sampler's, from the logits at response positions, about `chunk` at a time (over_logits; 0: all at once)."""
+    _, h, head = forward_to_head(policy, responses.shape[1] + 1, chunk, input_ids=input_ids,
+                                 attention_mask=attention_mask, position_ids=position_ids_from(attention_mask))
+    return over_logits(head, h[:, :-1], responses,  # h [B, T + 1, H] (or the logits [B, T + 1, V])
+                       lambda x, t: token_logprobs(x, t, temperature, support, with_entropy, entropy_grad), chunk)
 
 
 def response_values(value_model, input_ids, attention_mask, T: int) -> torch.Tensor:
@@ -303,9 +307,8 @@ def ppo_step(policy, value_model, ref_policy, optimizer, queries: torch.Tensor, 
     be trained on (tool output: no gradient, no KL). A response ends after its first eos_token_id (pass None when
     EOS may appear inside an episode) and before its trailing pad tokens and its trailing mask-0 tokens: an episode
     that ends with tool output loses that output from the value loss too, and a [B, T] reward placed past the end
-    counts on the response's last token. sampler_logprobs [B, T] (optional): the sampler's logprob of each token,
-    logged against the trainer's and used by hp.sampler_correction_cap. ref_policy None means the policy with its
-    LoRA adapters off (peft). The models must not apply dropout (a ValueError from refuse_dropout)."""
+    counts on the response's last token. sampler_logprobs [B, T] (optional): the sampler's logprobs, logged against
+    the trainer's, for hp.sampler_correction_cap. ref_policy None: the policy, LoRA adapters off. No dropout."""
     B, T = responses.shape
     micro = B // (hp.num_mini_batches * hp.gradient_accumulation_steps)
     if micro * hp.num_mini_batches * hp.gradient_accumulation_steps != B:
@@ -328,11 +331,13 @@ def ppo_step(policy, value_model, ref_policy, optimizer, queries: torch.Tensor, 
     # the old values the same way, unless the update is one mini-batch without accumulation: then the first
     # epoch's forward pass (with gradients) is the rollout's, and it is kept rather than done twice. The reference's
     # logprobs take the sampler's filters too (its own support): the KL compares the two samplers, 0 at equal weights.
+    def logprobs_of(model, i, grad: bool = False) -> tuple:  # logprobs and entropy [b, T] of rows i
+        return response_logprobs(model, input_ids[i], attention_mask[i], responses[i], hp.temperature, support, grad,
+                                 grad and hp.ent_coef > 0, hp.logits_chunk)
+
     def forward(i) -> tuple:  # the update's forward pass, with gradients: logprobs, entropy and values of rows i
         with autocast(hp.dtype, device):
-            logprobs, entropy = response_logprobs(policy, input_ids[i], attention_mask[i], responses[i], hp.temperature,
-                                                  support, True, hp.ent_coef > 0)
-            return logprobs, entropy, response_values(value_model, input_ids[i], attention_mask[i], T)
+            return *logprobs_of(policy, i, True), response_values(value_model, input_ids[i], attention_mask[i], T)
 
     fused = hp.num_mini_batches == 1 and hp.gradient_accumulation_steps == 1
     first = forward(slice(None)) if fused else None  # [B, T] each
@@ -340,13 +345,11 @@ def ppo_step(policy, value_model, ref_policy, optimizer, queries: torch.Tensor, 
         chunks = [slice(i, i + hp.forward_batch_size) for i in range(0, B, hp.forward_batch_size)]
         ref_model, ref_context = reference(policy, ref_policy)  # ref_policy None: the policy, adapters off
         with ref_context:
-            ref_logprobs = torch.cat([response_logprobs(ref_model, input_ids[c], attention_mask[c], responses[c],
-                                                        hp.temperature, support)[0] for c in chunks])
+            ref_logprobs = torch.cat([logprobs_of(ref_model, c)[0] for c in chunks])
         if fused:
             old_logprobs, old_values = first[0].detach(), first[2].detach() * valid
         else:
-            old_logprobs = torch.cat([response_logprobs(policy, input_ids[c], attention_mask[c], responses[c],
-                                                        hp.temperature, support)[0] for c in chunks])
+            old_logprobs = torch.cat([logprobs_of(policy, c)[0] for c in chunks])
             old_values = torch.cat([response_values(value_model, input_ids[c], attention_mask[c], T)
                                     for c in chunks]) * valid
 
@@ -910,6 +913,45 @@ def left_pad(seqs: list[list[int]], pad_token_id: int) -> torch.Tensor:
 def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions that skip left padding (absolute-position models such as GPT-2 need them)."""
     return (attention_mask.cumsum(1) - 1).clamp(min=0)
+
+
+HEAD_APPLIES: dict[str, bool] = {}  # per model class and config: are its logits its output layer on its last hidden?
+
+
+def forward_to_head(model, keep: int, chunk: int, **inputs) -> tuple:
+    """The model's forward and its last `keep` positions' logits as (output, h, head), head(h) = the logits: with
+    chunk > 0, h is the forward's own last hidden state [B, keep, H] and head its output layer, so that over_logits
+    need not make [B, keep, V] whole. With chunk 0, or where the logits are not that layer on that state (a soft-cap
+    or scale; checked once per model class and config, said once), h is the logits and head the identity."""
+    head = model.get_output_embeddings()
+    key = type(model).__name__ + model.config.to_json_string()
+    if chunk > 0 and head is not None and HEAD_APPLIES.get(key, True):
+        out = model(**inputs, logits_to_keep=1, output_hidden_states=True)
+        h = out.hidden_states[-1][:, -keep:]  # [B, keep, H]
+        if key not in HEAD_APPLIES:
+            with torch.no_grad():
+                HEAD_APPLIES[key] = getattr(model.config, "final_logit_softcapping", None) is None and torch.allclose(
+                    head(h[:, -1:]), out.logits.float(), rtol=1e-4, atol=1e-5)
+        if HEAD_APPLIES[key]:
+            return out, h, head
+        print_once(f"{type(model).__name__}'s logits are not its output layer on its last hidden state: the logprob "
+                   "passes make the whole [B, T, V] logits (--logits-chunk does not apply)")
+    out = model(**inputs, logits_to_keep=keep)
+    return out, out.logits[:, -keep:], torch.nn.Identity()
+
+
+def over_logits(head, h: torch.Tensor, tokens: torch.Tensor, fn: Callable, chunk: int) -> tuple:
+    """fn(head(h), tokens) for h [B, T, *], tokens [B, T] -> a tuple of [B, T] tensors (or None). For an output layer,
+    fn runs on about `chunk` logits (positions x vocabulary rows) at a time, and the backward pass recomputes each
+    chunk's logits (torch.utils.checkpoint) rather than keeping them: no [B, T, V] tensor is alive at once."""
+    if isinstance(head, torch.nn.Identity):
+        return fn(h, tokens)
+    B, T = tokens.shape
+    flat_h, flat_tokens = h.reshape(B * T, h.shape[-1]), tokens.reshape(B * T)  # [B * T, H], [B * T]
+    rows = max(1, chunk // head.weight.shape[0])
+    outs = [checkpoint(lambda x, t: fn(head(x), t), flat_h[i:i + rows], flat_tokens[i:i + rows], use_reentrant=False,
+                       preserve_rng_state=False) for i in range(0, B * T, rows)]
+    return tuple(None if parts[0] is None else torch.cat(parts).view(B, T) for parts in zip(*outs))
 
 
 def generation_configs(gen: GenArgs, tokenizer, temperature: float, top_k: int = 0, top_p: float = 1.0,

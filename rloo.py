@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import distribute_tensor
+from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 from transformers import (
     AutoModelForCausalLM,
@@ -109,6 +110,8 @@ class RLOOHParams:
     """gradient-norm clip"""
     forward_batch_size: int = 64
     """responses per chunk in the no-grad rollout forward passes"""
+    logits_chunk: int = 2 ** 24
+    """logits made at once (positions x vocabulary rows; 64 MB fp32), recomputed in backward (0: whole [B, T, V])"""
     skip_nonfinite: bool = False
     """skip (and count) a mini-batch whose loss or gradient norm is NaN/inf, instead of stopping the run"""
     prm_aggregate: Literal["min", "mean", "last"] = "min"
@@ -228,12 +231,11 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, support: tuple = (0, 1.0, 0.0),
                    with_entropy: bool = False, entropy_grad: bool = False) -> tuple:
-    """Logprobs [B, T] of tokens [B, T] under logits [B, T, V] as the sampler drew them: divided by the temperature
-    and, with support = (top_k, top_p, min_p) set, renormalised over the tokens those filters keep (filter_logits;
-    each sampled token stays inside), so that filtered sampling is on-policy; and the entropy [B, T] of that
-    distribution, differentiable only if entropy_grad. The logprob is the gathered logit minus the logsumexp: no
-    [B, T, V] log-softmax is kept."""
-    logits = logits.float() / temperature  # [B, T, V]
+    """Logprobs [B, T] of tokens [B, T] under logits [B, T, V] (or [N], [N, V]) as the sampler drew them: divided by
+    the temperature and, with support = (top_k, top_p, min_p) set, renormalised over the tokens those filters keep
+    (filter_logits; each sampled token stays inside), so that filtered sampling is on-policy; and that distribution's
+    entropy, differentiable only if entropy_grad. Gathered logit minus logsumexp: no log-softmax is kept."""
+    logits = logits.float() / temperature  # [B, T, V] (or a chunk [N, V] from over_logits)
     if tuple(support) != (0, 1.0, 0.0):
         logits = filter_logits(logits, *support, keep=tokens)
     lse = logits.logsumexp(-1)  # [B, T]
@@ -315,26 +317,27 @@ def sequence_rewards(scores: torch.Tensor, process: list | None, aggregate: str,
 
 def shared_prefix_logprobs(policy, queries: torch.Tensor, responses: torch.Tensor, valid: torch.Tensor,
                            pad_token_id: int, temperature: float, support: tuple = (0, 1.0, 0.0),
-                           with_entropy: bool = False, entropy_grad: bool = False) -> tuple:
-    """token_logprobs' logprobs [B, T] and entropy [B, T] of k responses per prompt, each prompt forwarded once and its
-    KV cache repeated k times; queries [P, Lq] left-padded, responses and valid [B, T].
-    Layers that checkpoint their activations keep no cache, and a forward that takes no cache object ignores one
-    (takes_cache): then each response is forwarded with its own copy of the prompt."""
-    k = responses.shape[0] // queries.shape[0]
+                           with_entropy: bool = False, entropy_grad: bool = False, chunk: int = 0) -> tuple:
+    """token_logprobs' logprobs and entropy [B, T] of k responses per prompt, from the logits about `chunk` at a time
+    (over_logits; 0: all at once), each prompt forwarded once and its KV cache repeated k times; queries [P, Lq]
+    left-padded, responses and valid [B, T]. With no cache (checkpointed layers, or a forward that takes no cache
+    object: takes_cache) each response is forwarded with a copy of its prompt."""
+    k, T = responses.shape[0] // queries.shape[0], responses.shape[1]
     query_mask = ((queries != pad_token_id).cumsum(1) > 0).long()
     mask = torch.cat([query_mask.repeat_interleave(k, 0), valid.long()], 1)  # [B, Lq + T]
     checkpointing = any(getattr(m, "gradient_checkpointing", False) for m in policy.modules())
     if (torch.is_grad_enabled() and checkpointing) or not takes_cache(policy):
-        logits = policy(input_ids=torch.cat([queries.repeat_interleave(k, 0), responses], 1), attention_mask=mask,
-                        position_ids=position_ids_from(mask), logits_to_keep=responses.shape[1] + 1).logits[:, :-1]
+        _, h, head = forward_to_head(policy, T + 1, chunk, input_ids=torch.cat([queries.repeat_interleave(k, 0),
+                                     responses], 1), attention_mask=mask, position_ids=position_ids_from(mask))
     else:
-        prefix = policy(input_ids=queries, attention_mask=query_mask, position_ids=position_ids_from(query_mask),
-                        use_cache=True, logits_to_keep=1)
+        prefix, first, head = forward_to_head(policy, 1, chunk, input_ids=queries, attention_mask=query_mask,
+                                              position_ids=position_ids_from(query_mask), use_cache=True)
         prefix.cache.batch_repeat_interleave(k)
-        out = policy(input_ids=responses, attention_mask=mask,
-                     position_ids=position_ids_from(mask)[:, queries.shape[1]:], cache=prefix.cache)
-        logits = torch.cat([prefix.logits.repeat_interleave(k, 0), out.logits[:, :-1]], 1)  # [B, T, V]
-    return token_logprobs(logits, responses, temperature, support, with_entropy, entropy_grad)
+        _, rest, _ = forward_to_head(policy, T, chunk, input_ids=responses, attention_mask=mask,
+                                     position_ids=position_ids_from(mask)[:, queries.shape[1]:], cache=prefix.cache)
+        h = torch.cat([first.repeat_interleave(k, 0), rest], 1)
+    return over_logits(head, h[:, :-1], responses,  # h [B, T + 1, H] (or the logits [B, T + 1, V])
+                       lambda x, t: token_logprobs(x, t, temperature, support, with_entropy, entropy_grad), chunk)
 
 
 def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: torch.Tensor, rewards: torch.Tensor,
@@ -387,12 +390,12 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
 
     def logprobs_of(model) -> torch.Tensor:  # [B, T], chunk by chunk, under the sampler's filters
         return torch.cat([shared_prefix_logprobs(model, queries[q], responses[r], valid[r], pad_token_id,
-                                                 hp.temperature, support)[0] for q, r in chunks])
+                                                 hp.temperature, support, chunk=hp.logits_chunk)[0] for q, r in chunks])
 
     def forward(p, i) -> tuple:  # the update's forward pass, with gradients: logprobs and entropy of prompts p, rows i
         with autocast(hp.dtype, device):
             return shared_prefix_logprobs(policy, queries[p], responses[i], valid[i], pad_token_id, hp.temperature,
-                                          support, True)
+                                          support, True, chunk=hp.logits_chunk)
 
     first = forward(slice(None), slice(None)) if fused else None  # [B, T] each
     with torch.no_grad(), autocast(hp.dtype, device):
@@ -971,6 +974,45 @@ def left_pad(seqs: list[list[int]], pad_token_id: int) -> torch.Tensor:
 def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions that skip left padding (absolute-position models such as GPT-2 need them)."""
     return (attention_mask.cumsum(1) - 1).clamp(min=0)
+
+
+HEAD_APPLIES: dict[str, bool] = {}  # per model class and config: are its logits its output layer on its last hidden?
+
+
+def forward_to_head(model, keep: int, chunk: int, **inputs) -> tuple:
+    """The model's forward and its last `keep` positions' logits as (output, h, head), head(h) = the logits: with
+    chunk > 0, h is the forward's own last hidden state [B, keep, H] and head its output layer, so that over_logits
+    need not make [B, keep, V] whole. With chunk 0, or where the logits are not that layer on that state (a soft-cap
+    or scale; checked once per model class and config, said once), h is the logits and head the identity."""
+    head = model.get_output_embeddings()
+    key = type(model).__name__ + model.config.to_json_string()
+    if chunk > 0 and head is not None and HEAD_APPLIES.get(key, True):
+        out = model(**inputs, logits_to_keep=1, output_hidden_states=True)
+        h = out.hidden_states[-1][:, -keep:]  # [B, keep, H]
+        if key not in HEAD_APPLIES:
+            with torch.no_grad():
+                HEAD_APPLIES[key] = getattr(model.config, "final_logit_softcapping", None) is None and torch.allclose(
+                    head(h[:, -1:]), out.logits.float(), rtol=1e-4, atol=1e-5)
+        if HEAD_APPLIES[key]:
+            return out, h, head
+        print_once(f"{type(model).__name__}'s logits are not its output layer on its last hidden state: the logprob "
+                   "passes make the whole [B, T, V] logits (--logits-chunk does not apply)")
+    out = model(**inputs, logits_to_keep=keep)
+    return out, out.logits[:, -keep:], torch.nn.Identity()
+
+
+def over_logits(head, h: torch.Tensor, tokens: torch.Tensor, fn: Callable, chunk: int) -> tuple:
+    """fn(head(h), tokens) for h [B, T, *], tokens [B, T] -> a tuple of [B, T] tensors (or None). For an output layer,
+    fn runs on about `chunk` logits (positions x vocabulary rows) at a time, and the backward pass recomputes each
+    chunk's logits (torch.utils.checkpoint) rather than keeping them: no [B, T, V] tensor is alive at once."""
+    if isinstance(head, torch.nn.Identity):
+        return fn(h, tokens)
+    B, T = tokens.shape
+    flat_h, flat_tokens = h.reshape(B * T, h.shape[-1]), tokens.reshape(B * T)  # [B * T, H], [B * T]
+    rows = max(1, chunk // head.weight.shape[0])
+    outs = [checkpoint(lambda x, t: fn(head(x), t), flat_h[i:i + rows], flat_tokens[i:i + rows], use_reentrant=False,
+                       preserve_rng_state=False) for i in range(0, B * T, rows)]
+    return tuple(None if parts[0] is None else torch.cat(parts).view(B, T) for parts in zip(*outs))
 
 
 def generation_configs(gen: GenArgs, tokenizer, temperature: float, top_k: int = 0, top_p: float = 1.0,

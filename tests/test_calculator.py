@@ -171,7 +171,7 @@ def test_tool_tokens_get_no_gradient_and_no_kl(tokenizer):
             out.register_hook(grads.append)
 
     handle = policy.lm_head.register_forward_hook(keep_grad)
-    hp = ppo.PPOHParams(num_ppo_epochs=1, num_mini_batches=1, kl_coef=0.1)
+    hp = ppo.PPOHParams(num_ppo_epochs=1, num_mini_batches=1, kl_coef=0.1, logits_chunk=0)  # whole logits: hooked
     metrics = ppo.ppo_step(policy, value, ref, optimizer, queries, responses, torch.tensor([1.0, 1.0, 0.0, 0.0]),
                            masks, hp=hp, pad_token_id=tokenizer.pad_token_id)  # as the loop calls it: no EOS id
     handle.remove()

@@ -177,7 +177,7 @@ def test_masked_tokens_get_no_gradient_and_no_kl():
             out.register_hook(grads.append)
 
     handle = policy.lm_head.register_forward_hook(keep_grad)
-    hp = ppo.PPOHParams(num_ppo_epochs=1, num_mini_batches=1, kl_coef=0.1)
+    hp = ppo.PPOHParams(num_ppo_epochs=1, num_mini_batches=1, kl_coef=0.1, logits_chunk=0)  # whole logits: hooked
     metrics = ppo.ppo_step(policy, value, ref, optimizer, queries, responses, torch.ones(8), masks, hp=hp,
                            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     handle.remove()

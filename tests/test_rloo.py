@@ -134,8 +134,8 @@ def test_masked_tokens_get_no_gradient():
 
     handle = policy.lm_head.register_forward_hook(keep_grad)
     rloo.rloo_step(policy, ref, optimizer, queries, responses, torch.arange(16.0), masks,
-                   hp=rloo.RLOOHParams(kl_coef=0.1, kl_in_reward=False), pad_token_id=tokenizer.pad_token_id,
-                   eos_token_id=tokenizer.eos_token_id)
+                   hp=rloo.RLOOHParams(kl_coef=0.1, kl_in_reward=False, logits_chunk=0),  # whole logits: hooked
+                   pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     handle.remove()
     prefix_grad, response_grad = sorted(grads, key=len)  # [P, 1, V] at the last prompt position; [B, T, V]
     per_position = torch.cat([prefix_grad.repeat_interleave(4, 0), response_grad[:, :-1]], 1).abs().sum(-1)
