@@ -19,8 +19,9 @@ bf16 autocast, as the scripts' `--dtype bf16` runs them.
 Rows: generation tokens/s (64 x 256 sampled tokens, EOS blocked so that every row runs to the end; median of 2 calls
 after one warm-up) for `model.generate`, for the scripts' decode loop (`ppo.generate`) and for that loop as
 `--compile` runs it; then `ppo.py` and `rloo.py` for 2 iterations in one process (s/iter of the second; the first
-holds the warm-up; peak GPU memory by torch.cuda.max_memory_allocated at the process's exit), and each for 2
-iterations under `torchrun --nproc_per_node 1` (nccl on CUDA, gloo on CPU). A row that fails says so and the rest
+holds the warm-up; peak GPU memory by torch.cuda.max_memory_allocated at the process's exit), the same with
+`--logits-chunk 0` (the whole [B, T, V] logits in every pass, for the memory the chunked default saves), and each for
+2 iterations under `torchrun --nproc_per_node 1` (nccl on CUDA, gloo on CPU). A row that fails says so and the rest
 still run; the command then exits non-zero after the table and the failures' last lines.
 """
 
@@ -242,10 +243,12 @@ def script_rows(folder: Path, size: Size, device: torch.device, deadline: float,
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1"]
     rows = []
     for script in ("ppo.py", "rloo.py"):
-        for launcher, name in [([sys.executable, "-c", PEAK], f"{script}, 1 process"),
-                               (torchrun, f"{script}, torchrun --nproc_per_node 1 ({backend})")]:
+        for launcher, name, extra in [([sys.executable, "-c", PEAK], f"{script}, 1 process", []),
+                                      ([sys.executable, "-c", PEAK], f"{script}, 1 process, --logits-chunk 0",
+                                       ["--logits-chunk", "0"]),
+                                      (torchrun, f"{script}, torchrun --nproc_per_node 1 ({backend})", [])]:
             out = Path(tempfile.mkdtemp(prefix=f"gpu_check_{script[:-3]}_"))
-            cmd = [*launcher, script, *map(str, common), "--output-dir", str(out)]
+            cmd = [*launcher, script, *map(str, common), *extra, "--output-dir", str(out)]
             left = deadline - time.perf_counter()
             if left < 10:
                 rows.append([name, "", "", "", "", "skipped: past the time budget (--budget-s)"])

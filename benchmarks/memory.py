@@ -15,8 +15,12 @@ the bytes of the weights, gradients and AdamW moments of what trains (16 per par
 frozen models (4 per parameter): each peak reads as floor + activations and the logits. TRL runs inside its own
 virtual environment (benchmarks/.trl-venv, made by vs_trl.py), never the project's.
 
-    python benchmarks/memory.py                          # every row (about an hour on 2 CPU cores)
+    python benchmarks/memory.py                          # every row (about 1.5 hours on 2 CPU cores)
     python benchmarks/memory.py --models smollm2 --algos grpo --checkpointing off
+    python benchmarks/memory.py --breakdown              # what one training forward saves, per model (minutes)
+
+A row whose floor alone is over 80% of the machine's memory is not run and says so (PPO at the Qwen shape: 18.8 GB
+of floor on a 24 GB machine).
 """
 
 import argparse
@@ -227,6 +231,8 @@ def main() -> None:
             print(json.dumps({"model": model, **floor_mb(art, "ppo"), **saved_mb(art, model)}), flush=True)
         return
     Path(args.results).parent.mkdir(parents=True, exist_ok=True)
+    total_mb = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
+                    if line.startswith("MemTotal:")) / 1024
     for model in args.models:
         art = folders(model)
         for algo in args.algos:
@@ -234,6 +240,9 @@ def main() -> None:
             for ckpt in args.checkpointing:
                 for side in args.sides:
                     try:
+                        if floor["floor_mb"] > 0.8 * total_mb:
+                            raise RuntimeError(f"not run: its floor of {floor['floor_mb']:,.0f} MB alone is over 80% "
+                                               f"of this machine's {total_mb:,.0f} MB")
                         if side == "trl":
                             row = theirs(art, model, algo, ckpt == "on")
                         else:

@@ -106,9 +106,9 @@ def trl_python() -> str:
     python = TRL_VENV / "bin" / "python"
     if not python.exists():
         subprocess.run([sys.executable, "-m", "venv", str(TRL_VENV)], check=True)
-        # requests: TRL 1.12's RLOO trainer imports it (its vLLM client) undeclared; tyro: trl_side imports ppo.py
+        # requests: TRL 1.12's RLOO trainer imports it (its vLLM client) undeclared; tyro, peft: trl_side imports ppo.py
         subprocess.run([str(python), "-m", "pip", "install", "-q", "torch==2.13.0", "trl==1.12.0", "requests",
-                        "tyro==1.0.17"],
+                        "tyro==1.0.17", "peft==0.21.2"],
                        check=True)
     return str(python)
 

@@ -46,7 +46,7 @@ TINY = {
     "benchmarks/memory_growth.py": ["--iterations", "3", "--batch-size", "16"],
     "benchmarks/plot.py": [],
 }
-HELP_ONLY = {"benchmarks/vs_trl.py", "benchmarks/prm_rewards.py", "benchmarks/before_after.py",
+HELP_ONLY = {"benchmarks/vs_trl.py", "benchmarks/prm_rewards.py", "benchmarks/before_after.py", "benchmarks/memory.py",
              "benchmarks/real_model.py", "benchmarks/grpo_family.py", "benchmarks/filtered_kl.py"}
 HUB_MODELS = {"Qwen/Qwen2.5-0.5B-Instruct", "Qwen/Qwen2.5-0.5B", "Qwen/Qwen2.5-1.5B-Instruct",
               "Qwen/Qwen2.5-7B-Instruct", "./my-sft-model"}

@@ -23,8 +23,8 @@ import gpu_check  # noqa: E402
 import gpu_wheels  # noqa: E402
 
 ROWS = ["generation: model.generate", "generation: decode loop (ppo.generate)",
-        "generation: decode loop, --compile", "ppo.py, 1 process",
-        "ppo.py, torchrun --nproc_per_node 1 (gloo)", "rloo.py, 1 process",
+        "generation: decode loop, --compile", "ppo.py, 1 process", "ppo.py, 1 process, --logits-chunk 0",
+        "ppo.py, torchrun --nproc_per_node 1 (gloo)", "rloo.py, 1 process", "rloo.py, 1 process, --logits-chunk 0",
         "rloo.py, torchrun --nproc_per_node 1 (gloo)"]
 
 
