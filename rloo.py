@@ -160,6 +160,10 @@ class Args:
     """torch.compile the models' forward passes and the decode loop's one-token step (CUDA graphs on a GPU)"""
     fsdp: bool = False
     """shard the policy, reference and reward models over the processes with FSDP2 (under torchrun)"""
+    dynamic_sampling: bool = False
+    """DAPO: set aside groups whose k rewards are all equal and draw more prompts until the batch is full of others"""
+    max_sampling_rounds: int = 4
+    """with --dynamic-sampling, draws per iteration at most (at least 1); then set-aside groups fill what is short"""
     task: Annotated[TaskArgs, tyro.conf.OmitArgPrefixes] = field(default_factory=lambda: TaskArgs())
     gen: Annotated[GenArgs, tyro.conf.OmitArgPrefixes] = field(default_factory=lambda: GenArgs())
     memory: Annotated[MemoryArgs, tyro.conf.OmitArgPrefixes] = field(default_factory=lambda: MemoryArgs())
@@ -176,10 +180,10 @@ RECIPES = {
                                           kl_in_reward=False, kl_estimator="k3", kl_coef=0.04))),
     "dr_grpo": ("Dr. GRPO: GRPO without the std scaling and the length normalisation, no KL", lambda: Args(
         exp_name="dr_grpo", rloo=RLOOHParams(baseline="group_mean", loss_type="dr_grpo", kl_coef=0.0))),
-    "dapo": ("DAPO without dynamic sampling: clip-higher, truncated responses masked, no KL", lambda: Args(
-        exp_name="dapo", rloo=RLOOHParams(baseline="group_mean", scale_rewards="group", loss_type="dapo",
-                                          epsilon_high=0.28, mask_truncated_completions=True, kl_coef=0.0,
-                                          num_mini_batches=4))),
+    "dapo": ("DAPO: dynamic sampling, clip-higher, truncated responses masked, no KL", lambda: Args(
+        exp_name="dapo", dynamic_sampling=True, rloo=RLOOHParams(
+            baseline="group_mean", scale_rewards="group", loss_type="dapo", epsilon_high=0.28,
+            mask_truncated_completions=True, kl_coef=0.0, num_mini_batches=4))),
     "gspo": ("GSPO: one importance ratio per response, clipped to [1 - 3e-4, 1 + 4e-4], no KL, 4 mini-batches",
              lambda: Args(exp_name="gspo", rloo=RLOOHParams(
                  baseline="group_mean", scale_rewards="group", loss_type="grpo", importance_sampling_level="sequence",
@@ -343,20 +347,17 @@ def shared_prefix_logprobs(policy, queries: torch.Tensor, responses: torch.Tenso
 def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: torch.Tensor, rewards: torch.Tensor,
               masks: torch.Tensor | None = None, *, hp: RLOOHParams, pad_token_id: int, eos_token_id: int | None = None,
               sampler_logprobs: torch.Tensor | None = None, ended: torch.Tensor | None = None) -> dict[str, float]:
-    """One RLOO (or GRPO-family) update on a batch of finished episodes, k = hp.rloo_k samples per prompt,
-    contiguous: [p0s0, p0s1, ..., p1s0, ...].
+    """One RLOO (or GRPO-family) update on finished episodes, k = hp.rloo_k per prompt: [p0s0, p0s1, ..., p1s0, ...].
 
     queries [B, Lq] (or [B / k, Lq], one per prompt) left-padded prompt ids; responses [B, T] right-padded ids (a
     response ends after its first EOS); rewards [B] or [B, T] (per-token, summed per response, padding included);
     masks [B, T], 0 on tokens not to train on (tool output: no gradient, no KL). Optional: sampler_logprobs [B, T]
     (logged, and for hp.sampler_correction_cap); ended [B] bool, the responses that ended with EOS or a stop string
     (None: those whose last token is EOS). ref_policy None: the policy, LoRA adapters off. No dropout (ValueError)."""
-    B, T = responses.shape
-    k = hp.rloo_k
+    (B, T), k = responses.shape, hp.rloo_k
     if k < 2 or B % k:
         raise ValueError(f"a batch of {B} responses does not hold whole groups of rloo_k = {k} (k must be >= 2)")
-    P = B // k
-    micro = P // (hp.num_mini_batches * hp.gradient_accumulation_steps)
+    P, micro = B // k, B // k // (hp.num_mini_batches * hp.gradient_accumulation_steps)
     if micro * hp.num_mini_batches * hp.gradient_accumulation_steps != P:
         raise ValueError(f"{P} prompts do not split into {hp.num_mini_batches} mini-batches x "
                          f"{hp.gradient_accumulation_steps} accumulation steps")
@@ -474,20 +475,27 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
     return {
         "objective/kl": (kl_of(old_logprobs) * train).sum(1).mean().item(),
         "objective/entropy": (-old_logprobs * train).sum(1).mean().item(),
-        "objective/non_score_reward": non_score.mean().item(),
-        "objective/rlhf_reward": sequence_rewards.mean().item(),
+        "objective/non_score_reward": non_score.mean().item(), "objective/rlhf_reward": sequence_rewards.mean().item(),
         "objective/scores": scores.mean().item(),
         **{key: torch.stack(values).mean().item() if values else float("nan") for key, values in stats.items()},
         "val/ratio_var": torch.stack(stats["val/ratio"]).var().item() if len(stats["val/ratio"]) > 1 else 0.0,
-        "val/num_eos_tokens": eos.sum().item(),
-        "val/response_length": valid.sum(1).float().mean().item(),
+        "val/num_eos_tokens": eos.sum().item(), "val/response_length": valid.sum(1).float().mean().item(),
         "val/truncated_frac": (~ended).float().mean().item(),
-        "rloo/baseline_avg": baselines.mean().item(),
-        "rloo/advantage_std": advantage_std.item(),
-        "rloo/frac_equal_groups": equal_groups.item(),
-        "loss/nonfinite_skipped": float(skipped),
+        "rloo/baseline_avg": baselines.mean().item(), "rloo/advantage_std": advantage_std.item(),
+        "rloo/frac_equal_groups": equal_groups.item(), "loss/nonfinite_skipped": float(skipped),
         **({} if sampler_logprobs is None else sampler_metrics(old_logprobs, sampler_logprobs, train)),
     }
+
+
+def stack_groups(groups: list[dict], pad_token_id: int) -> dict:
+    """One batch from groups of k rows ({key: [k] or [k, L]}); [k, L] padded as the rollout pads: queries left."""
+    batch = {}
+    for key, first in groups[0].items():
+        rows = [row for group in groups for row in group[key]]
+        side, fill = ("left" if key == "queries" else "right"), (pad_token_id if key in ("queries", "responses") else 0)
+        batch[key] = torch.stack(rows) if first.dim() == 1 else torch.nn.utils.rnn.pad_sequence(
+            rows, batch_first=True, padding_value=fill, padding_side=side)
+    return batch
 
 
 # The loop. It calls the machinery below the marker: Python looks a name up when the call runs, so that is fine.
@@ -541,25 +549,37 @@ def main(args: Args) -> None:
                     disable=rank != 0)
     t0 = time.time() - state["elapsed"]
     for iteration in progress:
-        # 8. Rollout: anneal the learning rate, take this process's share of the prompts, k samples of each.
+        # 8. Rollout: anneal the learning rate, take this process's share of the prompts, k samples of each, rewards
+        #    (+ PRM step scores); with --dynamic-sampling, groups of equal rewards are set aside and more drawn (DAPO).
         optimizer.param_groups[0]["lr"] = lr * (1 - (iteration - 1) / num_iterations) if args.anneal_lr else lr
-        prompts = draw_rows(task, state["prompt_state"], args.batch_size // hp.rloo_k, args.seed)
-        rows = [r for r in prompts[rank * local_prompts:(rank + 1) * local_prompts] for _ in range(hp.rloo_k)]
-        with autocast(hp.dtype, device):
-            out = rollout(policy, tokenizer, rows, sample, gen.stop_strings, task)
-        # 9. Update: the scores (with a PRM, plus its aggregated step scores) go into one rloo_step.
-        rewards = sequence_rewards(out["scores"], out["process"], hp.prm_aggregate, args.task.prm_weight)
+        kept, aside, rounds = [], [], 0
+        while rounds == 0 or (args.dynamic_sampling and rounds < args.max_sampling_rounds and global_sum(
+                torch.tensor(float(len(kept) < local_prompts), device=device)) > 0):
+            rounds += 1
+            prompts = draw_rows(task, state["prompt_state"], args.batch_size // hp.rloo_k, args.seed)
+            rows = [r for r in prompts[rank * local_prompts:(rank + 1) * local_prompts] for _ in range(hp.rloo_k)]
+            with autocast(hp.dtype, device):
+                out = rollout(policy, tokenizer, rows, sample, gen.stop_strings, task)
+            out["rewards"] = sequence_rewards(out["scores"], out["process"], hp.prm_aggregate, args.task.prm_weight)
+            for i in range(0, len(rows), hp.rloo_k):  # each group's k rows of every tensor
+                group = {key: v[i:i + hp.rloo_k] for key, v in out.items() if torch.is_tensor(v)}
+                signal = not args.dynamic_sampling or bool((group["rewards"] != group["rewards"][0]).any())
+                (kept if signal else aside).append(group)
+        out = stack_groups((kept + aside)[:local_prompts], tokenizer.pad_token_id)  # rounds ran out: set-aside fill
+        sampling = {"sampling/rounds": rounds, "sampling/equal_frac": len(aside) / (rounds * local_prompts)}
+        # 9. Update: one rloo_step on the batch.
         try:
-            metrics = rloo_step(policy, ref_policy, optimizer, out["queries"], out["responses"], rewards, out["masks"],
-                                hp=hp, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                                sampler_logprobs=out["sampler_logprobs"], ended=out["ended"])
+            metrics = rloo_step(policy, ref_policy, optimizer, out["queries"], out["responses"], out["rewards"],
+                                out["masks"], hp=hp, pad_token_id=tokenizer.pad_token_id, ended=out["ended"],
+                                eos_token_id=tokenizer.eos_token_id, sampler_logprobs=out.get("sampler_logprobs"))
         except FloatingPointError as e:
             fail("--skip-nonfinite", False, f"{e} at iteration {iteration}: the run stops here, its last good "
                  "checkpoint kept; lower --learning-rate, check the rewards, or pass --skip-nonfinite")
         # 10. Log: metrics averaged over processes (counts summed), a row per iteration; evaluation every --eval-every.
         state["episode"] += args.batch_size
         row = {"iteration": iteration, "episode": state["episode"], "elapsed_s": round(time.time() - t0, 3),
-               "lr": optimizer.param_groups[0]["lr"], **average_metrics(metrics, device, ("val/num_eos_tokens",))}
+               "lr": optimizer.param_groups[0]["lr"],
+               **average_metrics({**metrics, **sampling}, device, ("val/num_eos_tokens",))}
         samples = None
         if iteration % args.eval_every == 0 or iteration == num_iterations:
             with autocast(hp.dtype, device):

@@ -59,7 +59,7 @@ def test_machinery_blocks_of_ppo_and_rloo_are_identical():
 
 
 # (the marker's line, the whole file's lines) at most, as `wc -l` counts them
-BUDGETS = {"ppo.py": (520, 1660), "rloo.py": (580, 1720), "stepwise_prm.py": (400, 900), "interleave.py": (None, 560)}
+BUDGETS = {"ppo.py": (520, 1660), "rloo.py": (600, 1740), "stepwise_prm.py": (400, 900), "interleave.py": (None, 560)}
 
 
 @pytest.mark.parametrize("script", BUDGETS)
