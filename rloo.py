@@ -549,8 +549,7 @@ def main(args: Args) -> None:
                     disable=rank != 0)
     t0 = time.time() - state["elapsed"]
     for iteration in progress:
-        # 8. Rollout: anneal the learning rate, take this process's share of the prompts, k samples of each, rewards
-        #    (+ PRM step scores); with --dynamic-sampling, groups of equal rewards are set aside and more drawn (DAPO).
+        # 8. Rollout: anneal the lr, this process's share of the prompts, k samples each, rewards; DAPO's rounds.
         optimizer.param_groups[0]["lr"] = lr * (1 - (iteration - 1) / num_iterations) if args.anneal_lr else lr
         kept, aside, rounds = [], [], 0
         while rounds == 0 or (args.dynamic_sampling and rounds < args.max_sampling_rounds and global_sum(
@@ -565,7 +564,8 @@ def main(args: Args) -> None:
                 group = {key: v[i:i + hp.rloo_k] for key, v in out.items() if torch.is_tensor(v)}
                 signal = not args.dynamic_sampling or bool((group["rewards"] != group["rewards"][0]).any())
                 (kept if signal else aside).append(group)
-        out = stack_groups((kept + aside)[:local_prompts], tokenizer.pad_token_id)  # rounds ran out: set-aside fill
+        if rounds > 1 or aside:  # one batch from several rounds; set-aside groups fill it where they ran out
+            out = stack_groups((kept + aside)[:local_prompts], tokenizer.pad_token_id)
         sampling = {"sampling/rounds": rounds, "sampling/equal_frac": len(aside) / (rounds * local_prompts)}
         # 9. Update: one rloo_step on the batch.
         try:

@@ -25,7 +25,6 @@ of floor on a 24 GB machine).
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,6 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 CACHE = ROOT / "benchmarks" / ".cache" / "memory"
+ENV = {"HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
 SIZES = {"smollm2": (32, 16), "qwen0.5b-shape": (16, 128)}  # responses per iteration, new tokens per response
 PEAK = ("import atexit, runpy, sys; atexit.register(lambda: print('PEAK_MIB', next(int(l.split()[1]) for l in "
         "open('/proc/self/status') if l.startswith('VmHWM:')) / 1024, flush=True)); sys.argv = sys.argv[1:]; "
@@ -136,7 +136,9 @@ def ours(art: Path, model: str, algo: str, chunk: int, ckpt: bool) -> dict:
     else:
         args = ["rloo.py", "grpo", *common, "--reward-fn", f"{ROOT / 'benchmarks' / 'gpu_check.py'}:length_reward",
                 "--rloo-k", "4"]
-    text = run([sys.executable, "-c", PEAK, *map(str, args)])
+    import vs_trl
+
+    text = vs_trl.run([sys.executable, "-c", PEAK, *map(str, args)], env=ENV)
     rows = [row for line in (out / "metrics.jsonl").read_text().splitlines() if "lr" in (row := json.loads(line))]
     return {"s_iter": rows[-1]["elapsed_s"] - rows[-2]["elapsed_s"], "peak_mb": float(text.split("PEAK_MIB")[-1])}
 
@@ -145,18 +147,8 @@ def theirs(art: Path, model: str, algo: str, ckpt: bool) -> dict:
     import vs_trl
 
     cmd = [vs_trl.trl_python(), __file__, "--trl-side", algo, str(art), model, *(["--ckpt"] if ckpt else [])]
-    text = run(cmd)
+    text = vs_trl.run(cmd, env=ENV)
     return json.loads(text.strip().splitlines()[-1])
-
-
-def run(cmd: list[str]) -> str:
-    import os
-
-    result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"})
-    if result.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd[:5])}... failed:\n{result.stderr[-3000:]}")
-    return result.stdout
 
 
 def trl_side(algo: str, art: Path, model: str, ckpt: bool) -> None:
