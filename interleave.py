@@ -298,8 +298,7 @@ def main(args: Args) -> None:
     ppo.place([*models.values(), ref_policy, *[sources[p].reward_model for p in rl]], device, args.fsdp, world)
 
     # ---- optimizers: the policy's (shared, or one per phase) and the PRM's own
-    def adamw(*mods):
-        """AdamW over the modules' parameters (each step sets its phase's learning rate)."""
+    def adamw(*mods):  # AdamW over the modules' parameters (each step sets its phase's learning rate)
         return torch.optim.AdamW(ppo.trainable(*mods), lr=1e-3, eps=1e-5)
 
     defaults = DEFAULT_LR_BUILTIN if args.model == "builtin" else DEFAULT_LR_PRETRAINED
@@ -331,9 +330,10 @@ def main(args: Args) -> None:
     greedy = ppo.generation_configs(args.gen, tokenizer, 1.0)[1]
 
     def evaluate() -> tuple[dict, list]:
-        """Greedy decoding on the evaluation prompts (the first RL phase's, else the built-in task's)."""
+        """Greedy (and --eval-num-samples sampled) decoding of the first RL phase's eval prompts, else built-in's."""
         with phase_flags(rl[0] if rl else "eval"):
-            return ppo.evaluate(policy, tokenizer, eval_task, greedy, args.gen.stop_strings, rank, world)
+            sample = samplers[rl[0]] if rl else greedy
+            return ppo.evaluate(policy, tokenizer, eval_task, sample, greedy, args.gen.stop_strings, rank, world)
 
     if start == 0:
         metrics, samples = evaluate()

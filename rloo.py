@@ -253,9 +253,8 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
 
 def sampler_metrics(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor) -> dict:
     """The sampler's logprobs [B, T] of the trained tokens (mask [B, T]) against the trainer's old ones, as TRL logs
-    them: |old - sampler|'s mean and max, and the importance ratio exp(old - sampler)'s min, mean and max. Float
-    noise with the same weights: the decode loop's one-token forwards round differently from the update's
-    whole-sequence forward, more so in bf16."""
+    them: |old - sampler|'s mean and max, exp(old - sampler)'s min, mean and max. At equal weights, float noise: the
+    decode loop's one-token forwards round otherwise than the update's whole-sequence forward (more so in bf16)."""
     diff = (old_logprobs - sampler_logprobs)[mask] if mask.any() else torch.zeros(1, device=mask.device)  # [N]
     ratio = diff.exp()
     return {"sampling/sampling_logp_difference/mean": diff.abs().mean().item(),
@@ -278,9 +277,8 @@ def kl_estimator_for(hp: RLOOHParams) -> str:
 
 
 def group_advantages(rewards: torch.Tensor, k: int, baseline: str, scale: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Advantages [B] and baselines [B] of rewards [B], the k samples of each prompt contiguous; baseline and scale as
-    --baseline and --scale-rewards say (leave_one_out: A = k / (k - 1) x (R - group mean)). The std has Bessel's
-    correction and 1e-4 added, as in TRL's GRPOTrainer."""
+    """Advantages [B] and baselines [B] of rewards [B], each prompt's k samples contiguous, as --baseline and
+    --scale-rewards say (leave_one_out: A = k / (k - 1) x (R - group mean); the std as TRL's: Bessel's, + 1e-4)."""
     grouped = rewards.view(-1, k)  # [P, k]
     baselines = ((grouped.sum(1, keepdim=True) - grouped) / (k - 1) if baseline == "leave_one_out"
                  else grouped.mean(1, keepdim=True).expand_as(grouped))
@@ -542,7 +540,7 @@ def main(args: Args) -> None:
     metrics_path, run = open_run(args, output_dir, start, state["run_name"]) if rank == 0 else (None, None)
     if start == 1:
         with autocast(hp.dtype, device):
-            metrics, samples = evaluate(policy, tokenizer, task, greedy, gen.stop_strings, rank, world)
+            metrics, samples = evaluate(policy, tokenizer, task, sample, greedy, gen.stop_strings, rank, world)
         log_row(metrics_path, run, {"iteration": 0, "episode": 0, "elapsed_s": 0.0, **metrics}, samples)
         state["accuracy"] = metrics["task/accuracy"]
     progress = tqdm(range(start, num_iterations + 1), initial=start - 1, total=num_iterations, desc="rloo",
@@ -583,7 +581,7 @@ def main(args: Args) -> None:
         samples = None
         if iteration % args.eval_every == 0 or iteration == num_iterations:
             with autocast(hp.dtype, device):
-                eval_metrics, samples = evaluate(policy, tokenizer, task, greedy, gen.stop_strings, rank, world)
+                eval_metrics, samples = evaluate(policy, tokenizer, task, sample, greedy, gen.stop_strings, rank, world)
             row.update(eval_metrics)
             state["accuracy"] = eval_metrics["task/accuracy"]
         log_row(metrics_path, run, row, samples)
@@ -696,7 +694,9 @@ class TaskArgs:
     missing_eos_penalty: float | None = None
     """subtracted from the score of responses that end neither with EOS nor with a stop string"""
     success_threshold: float = 1.0
-    """an evaluation completion counts towards task/accuracy when its score reaches this"""
+    """an evaluation completion counts towards task/accuracy (and pass@k, maj@N) when its score reaches this"""
+    eval_num_samples: int = 0
+    """sampled completions per evaluation prompt besides the greedy one, for eval/pass@k and eval/maj@N (0: off)"""
     prm_model: str | None = None
     """a process reward model (two-label token classifier, e.g. from stepwise_prm.py) that rewards each step"""
     prm_weight: float = 1.0
@@ -778,10 +778,9 @@ def load_policy(name: str, trust_remote_code: bool) -> tuple:
 
 
 def fp32_output_layer(model: torch.nn.Module) -> torch.nn.Module:
-    """Make the model's output layer (lm_head) compute in fp32 under bf16 autocast too; a no-op in fp32. In bf16 (3
-    significant digits) logits of 10 are off by up to 0.03, and so are the logprobs whose differences make the ratios
-    and the KL (MiniMax-M1, arXiv:2506.13585, found its bf16 LM head to be where training and inference parted). The
-    one forward replaced at run time, on every device alike: autocast has no per-layer dtype."""
+    """Make the model's output layer (lm_head) compute in fp32 under bf16 autocast too. In bf16 logits of 10 are off
+    by up to 0.03, and so are the logprobs whose differences make the ratios and the KL (MiniMax-M1, arXiv:2506.13585).
+    The one forward replaced at run time, on every device alike: autocast has no per-layer dtype."""
     def forward(head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         with torch.autocast(hidden.device.type, enabled=False):
             return type(head).forward(head, hidden.float())
@@ -805,9 +804,8 @@ def token_classifier_from(lm, num_labels: int, flag: str, fix: str) -> torch.nn.
 
 def with_lora(model, lora: MemoryArgs) -> torch.nn.Module:
     """The model with fresh LoRA adapters (peft) when --lora-r > 0: they and a token classifier's head train, every
-    other weight is frozen; as it is with --lora-r 0. With --gradient-checkpointing, its layers recompute their
-    activations in the backward pass (only with gradients on: generation keeps its cache), which transformers does
-    in training mode only: the model is put in it (from_pretrained leaves it in eval mode)."""
+    other weight is frozen; as it is with --lora-r 0. With --gradient-checkpointing, its layers recompute activations
+    in the backward pass (generation keeps its cache), in training mode only: the model is put in it."""
     if lora.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
@@ -851,6 +849,8 @@ def check_task(task: TaskArgs) -> bool:
         fail("--reward-fn", [], "these prompts need a reward: give --reward-fn and/or --reward-model")
     if task.reward_weights is not None and len(task.reward_weights) != len(task.reward_fn):
         fail("--reward-weights", task.reward_weights, f"give one weight per --reward-fn ({len(task.reward_fn)})")
+    if task.eval_num_samples < 0:
+        fail("--eval-num-samples", task.eval_num_samples, "give how many sampled completions per prompt (0: off)")
     return not has_prompts
 
 
@@ -897,10 +897,9 @@ def render_prompt(tokenizer, prompt: str | list) -> list[int]:
 
 @dataclass
 class Task:
-    """A loaded task (load_task): the flags it was loaded from, the prompt source (a function fn(rng) -> row, or a
-    dataset of rows), the fixed evaluation rows, the (spec, function) of each reward function and their weights, the
-    reward model (a sequence classifier whose weighted score is added) and the process reward model (a two-label
-    token classifier), each with its own tokenizer or None, and the policy's context length in tokens."""
+    """A loaded task (load_task): its flags, the prompt source (a function fn(rng) -> row, or a dataset of rows), the
+    fixed evaluation rows, each reward function's (spec, function) and weight, the reward model (a sequence classifier)
+    and the process reward model (a two-label token classifier) with their tokenizers, and the policy's context."""
 
     args: TaskArgs
     source: Callable | datasets.Dataset
@@ -916,8 +915,7 @@ class Task:
 
 def load_task(task: TaskArgs, tokenizer, context: int, max_new_tokens: int, trust_remote_code: bool = False,
               world: int = 1) -> Task:
-    """Prompt source, fixed evaluation rows and scorers of a task (validated by check_task); the reward model and the
-    PRM are loaded with --trust-remote-code as given."""
+    """Prompt source, fixed evaluation rows and scorers of a task (checked by check_task), under --trust-remote-code."""
     if task.dataset:
         source = load_prompt_dataset(task.dataset, task.dataset_split, task.prompt_column)
         evals = load_prompt_dataset(task.dataset, task.eval_split, task.prompt_column) if task.eval_split else source
@@ -1000,10 +998,9 @@ HEAD_APPLIES: dict[str, bool] = {}  # per model class and config: are its logits
 
 
 def forward_to_head(model, keep: int, chunk: int, **inputs) -> tuple:
-    """The model's forward and its last `keep` positions' logits as (output, h, head), head(h) = the logits: with
-    chunk > 0, h is the forward's own last hidden state [B, keep, H] and head its output layer, so that over_logits
-    need not make [B, keep, V] whole. With chunk 0, or where the logits are not that layer on that state (a soft-cap
-    or scale; checked once per model class and config, said once), h is the logits and head the identity."""
+    """The model's forward and its last `keep` positions as (output, h, head), head(h) = the logits: with chunk > 0,
+    h is its last hidden state [B, keep, H] and head its output layer (over_logits need not make [B, keep, V] whole);
+    with chunk 0, or where the logits are not that (a soft-cap; checked once per model, said once), h is the logits."""
     head = model.get_output_embeddings()
     key = type(model).__name__ + model.config.to_json_string()
     if chunk > 0 and head is not None and HEAD_APPLIES.get(key, True):
@@ -1022,14 +1019,15 @@ def forward_to_head(model, keep: int, chunk: int, **inputs) -> tuple:
 
 
 def over_logits(head, h: torch.Tensor, tokens: torch.Tensor, fn: Callable, chunk: int) -> tuple:
-    """fn(head(h), tokens) for h [B, T, *], tokens [B, T] -> a tuple of [B, T] tensors (or None). For an output layer,
-    fn runs on about `chunk` logits (positions x vocabulary rows) at a time, and the backward pass recomputes each
-    chunk's logits (torch.utils.checkpoint) rather than keeping them: no [B, T, V] tensor is alive at once."""
+    """fn(head(h), tokens) for h [B, T, *], tokens [B, T] -> [B, T] tensors (or None): for an output layer, on about
+    `chunk` logits at a time, recomputed in backward (torch.utils.checkpoint) when there is more than one chunk."""
     if isinstance(head, torch.nn.Identity):
         return fn(h, tokens)
     B, T = tokens.shape
     flat_h, flat_tokens = h.reshape(B * T, h.shape[-1]), tokens.reshape(B * T)  # [B * T, H], [B * T]
     rows = max(1, chunk // head.weight.shape[0])
+    if rows >= B * T:  # one chunk holds every position: nothing to recompute, no [B, T, V] above the chunk
+        return tuple(None if out is None else out.view(B, T) for out in fn(head(flat_h), flat_tokens))
     outs = [checkpoint(lambda x, t: fn(head(x), t), flat_h[i:i + rows], flat_tokens[i:i + rows], use_reentrant=False,
                        preserve_rng_state=False) for i in range(0, B * T, rows)]
     return tuple(None if parts[0] is None else torch.cat(parts).view(B, T) for parts in zip(*outs))
@@ -1050,9 +1048,8 @@ def generation_configs(gen: GenArgs, tokenizer, temperature: float, top_k: int =
 
 
 def off_policy_note(gen: GenArgs) -> str:
-    """One line naming the settings that make the update off-policy, or "" when none is set: a repetition penalty
-    and a minimum length change what is sampled, but the update's logprobs do not see them. (Temperature, top-k,
-    top-p and min-p are exact: the update's logprobs use the same distribution, see token_logprobs.)"""
+    """One line naming the settings that make the update off-policy (a repetition penalty, a minimum length), or "";
+    temperature, top-k, top-p and min-p are exact: the update's logprobs use the same distribution (token_logprobs)."""
     flags = [f"--{name.replace('_', '-')} {getattr(gen, name)}" for name, off in (("min_new_tokens", 0),
              ("repetition_penalty", 1.0)) if getattr(gen, name) != off]
     return (f"note: {', '.join(flags)} change what is sampled, but the update's logprobs do not see them: it is "
@@ -1062,8 +1059,7 @@ def off_policy_note(gen: GenArgs) -> str:
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float,
                   keep: torch.Tensor | None = None) -> torch.Tensor:
     """logits [..., V] with -inf outside the support that top-k, then top-p, then min-p leave, as `generate` applies
-    them. keep [...]: token ids that stay inside whatever their logit (the update's sampled tokens: float noise
-    between the sampler's forward and the trainer's can move a token at the boundary)."""
+    them; keep [...]: ids kept inside anyway (sampled tokens, which float noise can move past the boundary)."""
     drop = torch.zeros_like(logits, dtype=torch.bool)
     if top_k:
         drop |= logits < logits.topk(min(top_k, logits.shape[-1])).values[..., -1:]
@@ -1081,9 +1077,8 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float,
 
 
 def next_token(logits: torch.Tensor, seen: torch.Tensor, gen: GenerationConfig, step: int) -> tuple:
-    """Pick the next token [B] from logits [B, V] as `generate` does: repetition penalty over the ids seen [B, L], no
-    EOS before min_new_tokens, then greedy, or temperature, top-k, top-p and min-p before sampling. Returns the
-    tokens [B] and their logprobs [B] under the distribution they were drawn from (0 when greedy)."""
+    """The next tokens [B] from logits [B, V] as `generate` picks them (repetition penalty over the ids seen [B, L], no
+    EOS before min_new_tokens, then greedy or filtered sampling) and their logprobs [B] as drawn (0 when greedy)."""
     logits = logits.float()
     if gen.repetition_penalty not in (None, 1.0):
         score = logits.gather(1, seen)
@@ -1108,18 +1103,16 @@ def cache_length(prompt_length: int, max_new_tokens: int) -> int:
 
 def decode_step(model, token: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
                 cache: DynamicCache | StaticCache) -> torch.Tensor:
-    """Logits [B, V] for one new token per row, token [B, 1] at position_ids [B, 1], through the model's own
-    forward, which writes its keys and values into the cache; attention_mask covers the cache: all C slots of a
-    static one, the tokens so far (this one included) of one that grows. With a static cache every shape is fixed,
-    so --compile makes one graph of it per batch size and cache length."""
+    """Logits [B, V] for one new token per row, token [B, 1] at position_ids [B, 1], through the model's own forward,
+    which writes its keys and values into the cache; attention_mask covers the cache: all C slots of a static one
+    (every shape fixed: one compiled graph per batch size and length), the tokens so far of one that grows."""
     return model(input_ids=token, position_ids=position_ids, attention_mask=attention_mask, cache=cache,
                  use_cache=True).logits[:, -1]
 
 
 def static_cache(model, batch_size: int, length: int) -> StaticCache:
-    """An empty static key/value cache for batch_size rows of length tokens, for the compiled step: one per shape and
-    autocast dtype (which sets the cache's dtypes) is kept on the model and emptied for each use, since a CUDA graph
-    replays only while the cache keeps its memory addresses."""
+    """An empty static key/value cache of batch_size rows and length tokens for the compiled step, one per shape and
+    autocast dtype (it sets the cache's dtypes), kept on the model: a CUDA graph replays only at the same addresses."""
     device = model.device.type
     key = (batch_size, length, torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device))
     caches = model.__dict__.setdefault("decode_caches", {})
@@ -1140,12 +1133,10 @@ def compiled_decode_step(mode: str) -> Callable:
 def decode_loop(model, queries: torch.Tensor, attention_mask: torch.Tensor, gen: GenerationConfig,
                 stop: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Responses [B, T] to left-padded queries [B, Lq], sampled as `generate` samples, and each token's logprob [B, T]
-    under the distribution it was drawn from (0 after a row ended), in plain PyTorch around the model's own forward:
-    one forward over the prompts fills the key/value cache, then one token per step (decode_step). Rows end at EOS
-    (then pad) or when stop(new_ids [B, t]) says so; the loop ends when every row has ended in every process. When
-    gen.compile_config is set, the step is compiled and the cache is static, sized for prompt and response, so that
-    every step has the same shapes (one graph); eager, or when a layer keeps a sliding window (said once), the cache
-    grows a token per step and attention spans only the tokens so far."""
+    under the distribution it was drawn from (0 after a row ended): one forward over the prompts fills the key/value
+    cache, then one token per step (decode_step). Rows end at EOS (then pad) or when stop(new_ids [B, t]) says so,
+    the loop when every row of every process has. With gen.compile_config the step is compiled over a static cache
+    sized for prompt and response (one graph); eager (or with a sliding window, said once) the cache grows per token."""
     B, Lq = queries.shape
     T, compiled = gen.max_new_tokens, gen.compile_config is not None
     cache = static_cache(model, B, cache_length(Lq, T)) if compiled else DynamicCache(config=model.config)
@@ -1156,8 +1147,7 @@ def decode_loop(model, queries: torch.Tensor, attention_mask: torch.Tensor, gen:
                    "one) in some layer, which the compiled decode step cannot take: it decodes eagerly")
         compiled, cache = False, DynamicCache(config=model.config)
     C = cache_length(Lq, T) if compiled else Lq + T
-    mask = torch.nn.functional.pad(attention_mask, (0, C - Lq), value=1)  # [B, C]: 0 on left padding only (the
-    # model's causal mask hides a static cache's slots not written yet)
+    mask = torch.nn.functional.pad(attention_mask, (0, C - Lq), value=1)  # [B, C]: 0 on left padding only
     step = compiled_decode_step(gen.compile_config.mode) if compiled else decode_step
     # the prompts in one forward, eager even under --compile: a compiled forward would trace the cache's first fill
     # and leave its tensors unfit for CUDA graphs
@@ -1183,9 +1173,8 @@ def decode_loop(model, queries: torch.Tensor, attention_mask: torch.Tensor, gen:
 
 
 def stop_check(tokenizer, stop_strings: list[str]) -> Callable:
-    """stop(new_ids [B, t]) -> [B] bool: a stop string shows in a row's text. Only the text that the newest token can
-    complete is decoded: a stop string of n bytes lies within the last n tokens (each decodes to a byte or more),
-    and one token more keeps a leading space that decoders drop from a text's first token."""
+    """stop(new_ids [B, t]) -> [B] bool: a stop string shows in a row's text. Only the last n + 1 tokens are decoded:
+    a stop string of n bytes lies within n tokens, and one more keeps a leading space decoders drop from a text."""
     width = 1 + max(len(s.encode()) for s in stop_strings)
     return lambda new_ids: torch.tensor([any(s in text for s in stop_strings) for text in
                                          tokenizer.batch_decode(new_ids[:, -width:])], device=new_ids.device)
@@ -1199,10 +1188,9 @@ def print_once(message: str) -> None:
 
 @torch.no_grad()
 def generate(policy, tokenizer, queries: torch.Tensor, gen: GenerationConfig, stop_strings: list[str]) -> tuple:
-    """Sample (or greedily decode) responses to left-padded queries; returns cut_responses' triple and the sampler's
-    logprobs [B, T] (None from `generate`). A model whose forward takes a key/value cache object (takes_cache)
-    decodes through decode_loop; any other through `generate` (said once), where all processes keep stepping until
-    every one is done (synced_gpus)."""
+    """Sample (or greedily decode) responses to left-padded queries: cut_responses' triple and the sampler's logprobs
+    [B, T]. A model whose forward takes a key/value cache object (takes_cache) goes through decode_loop;
+    any other through `generate` (said once; no logprobs), all processes stepping until all are done (synced_gpus)."""
     attention_mask = ((queries != tokenizer.pad_token_id).cumsum(1) > 0).long()  # left padding only
     Lq = queries.shape[1]
     stop = stop_check(tokenizer, stop_strings) if stop_strings else None
@@ -1219,17 +1207,15 @@ def generate(policy, tokenizer, queries: torch.Tensor, gen: GenerationConfig, st
 
 
 def takes_cache(model: torch.nn.Module) -> bool:
-    """Whether the model's forward (inside peft's wrapper) takes a key/value cache object (`cache`: transformers'
-    own causal LMs)."""
+    """Whether the model's forward (inside peft's wrapper) takes a key/value cache object (transformers' own do)."""
     model = model.get_base_model() if isinstance(model, peft.PeftModel) else model
     return "cache" in inspect.signature(type(model).forward).parameters
 
 
 def cut_responses(tokenizer, responses: torch.Tensor, stop_strings: list[str]) -> tuple:
-    """Cut each response after its first EOS or stop string (both kept) and pad the rest. Returns responses [B, T],
-    lengths [B] and ended [B] (bool: it ended with EOS or a stop string). A stop string cuts after the first token
-    whose decoded prefix holds it, found by bisection (a prefix's text holds whatever a shorter prefix's holds, but
-    for U+FFFD, what a partial character decodes to): a few decodes per response, not one per token."""
+    """Cut each response after its first EOS or stop string (both kept) and pad the rest: responses [B, T], lengths
+    [B], ended [B] (bool). A stop string cuts after the first token whose decoded prefix holds it, found by bisection
+    (a prefix's text holds what a shorter prefix's holds, but for a partial character's U+FFFD): a few decodes."""
     rows, lengths, ended = responses.tolist(), [], []
 
     def holds_stop(ids: list[int]) -> bool:
@@ -1250,9 +1236,8 @@ def cut_responses(tokenizer, responses: torch.Tensor, stop_strings: list[str]) -
 def call_reward_fns(reward_fns: list, weights: list[float], prompts: list, completions: list,
                     completion_ids: list, columns: dict, reward_model: bool = False) -> torch.Tensor:
     """Weighted sum of TRL-style reward functions; [B]. Each returns, per completion, a finite real number (Python or
-    numpy int, float or bool, a bool counting 1 or 0, or a 0-d tensor) or None where it does not score that
-    completion: as in TRL, the sum skips it. A completion that no function scores stops the run with a clear line,
-    unless a reward model (`reward_model`) scores every completion; so does any other bad output."""
+    numpy int, float or bool, or a 0-d tensor) or None, which the sum skips as in TRL. A completion that no function
+    scores stops the run with one line, unless a reward model (`reward_model`) scores all; so does any bad output."""
     total, scored = torch.zeros(len(completions)), torch.zeros(len(completions), dtype=torch.bool)
     for (spec, fn), w in zip(reward_fns, weights):
         try:
@@ -1279,9 +1264,8 @@ def call_reward_fns(reward_fns: list, weights: list[float], prompts: list, compl
 
 @torch.no_grad()
 def reward_model_scores(reward_model, rm_tokenizer, prompts: list, texts: list[str]) -> torch.Tensor:
-    """Scalar score of each prompt and completion from a one-label sequence classifier; [B]. A string prompt is
-    followed by the completion's text; chat messages, as TRL gives them, by the completion as an assistant message,
-    the conversation rendered with the reward model's own chat template (its markers, as it was trained on them)."""
+    """Score [B] of each prompt and completion by a one-label sequence classifier: a string prompt and the text, or
+    chat messages (as TRL gives them) and an assistant message, rendered with the reward model's own chat template."""
     if isinstance(prompts[0], str):
         enc = rm_tokenizer([p + t for p, t in zip(prompts, texts)], return_tensors="pt", padding=True,
                            padding_side="right")
@@ -1298,9 +1282,8 @@ def reward_model_scores(reward_model, rm_tokenizer, prompts: list, texts: list[s
 @torch.no_grad()
 def process_rewards(prm, prm_tokenizer, tokenizer, prompts: list, completion_ids: list[list[int]],
                     separator: str) -> list[list[tuple[int, float]]]:
-    """Per response, one (token index, p) per step: the response is split into steps at the separator, the PRM
-    reads [BOS] prompt step sep step sep ... as in its training, and p is its probability that the step is correct
-    (read at the step's last token); the token index is the response token where the step's text ends."""
+    """Per response, one (token index, p) per step: split at the separator, the PRM reads [BOS] prompt step sep step
+    sep ... as in training, p is its P(step correct) at the step's last token, the index the token ending its text."""
     inputs, places = [], []
     sep_ids = prm_tokenizer(separator, add_special_tokens=False).input_ids
     bos = [prm_tokenizer.bos_token_id] if prm_tokenizer.bos_token_id is not None else []
@@ -1326,9 +1309,8 @@ def process_rewards(prm, prm_tokenizer, tokenizer, prompts: list, completion_ids
 
 
 def rollout(policy, tokenizer, rows: list[dict], gen: GenerationConfig, stop_strings: list[str], task: Task) -> dict:
-    """Generate responses to prompt rows and score them. Returns queries [B, Lq], responses [B, T], masks [B, T]
-    (1 on response tokens), the sampler's logprobs [B, T] (or None), scores [B], ended [B], the prompts and
-    completion texts, and with a PRM its step scores: per response, (token index, p_correct) per step."""
+    """Generate responses to prompt rows and score them: queries [B, Lq], responses [B, T], masks [B, T] (1 on response
+    tokens), sampler logprobs [B, T] or None, scores [B], ended [B], prompts, texts, and a PRM's step scores or None."""
     prompts = [r["prompt"] for r in rows]
     ids = [render_prompt(tokenizer, p) for p in prompts]
     if max(map(len, ids)) + gen.max_new_tokens > task.context:
@@ -1355,22 +1337,44 @@ def rollout(policy, tokenizer, rows: list[dict], gen: GenerationConfig, stop_str
             "scores": scores, "ended": ended, "prompts": prompts, "texts": texts, "process": process}
 
 
-def evaluate(policy, tokenizer, task: Task, greedy: GenerationConfig, stop_strings: list[str], rank: int,
-             world: int) -> tuple[dict, list]:
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """pass@k from n samples of which c are right, unbiased (Chen et al. 2021, arXiv:2107.03374): the chance that k
+    of them, drawn without replacement, hold a right one: 1 - C(n - c, k) / C(n, k)."""
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def evaluate(policy, tokenizer, task: Task, sample: GenerationConfig, greedy: GenerationConfig,
+             stop_strings: list[str], rank: int, world: int) -> tuple[dict, list]:
     """Greedy decoding on the task's fixed evaluation rows (split over processes): mean score and task/accuracy
     (the fraction reaching --success-threshold), and every completion (prompt, completion, score), gathered from all
-    processes in the rows' order."""
-    out = rollout(policy, tokenizer, task.eval_rows[rank::world], greedy, stop_strings, task)
+    processes in the rows' order. With --eval-num-samples N, also N completions of each row by the training sampler
+    (`sample`, on a fork of torch's random stream: training's draws stay as they were), kept as the row's `samples`:
+    eval/pass@k for k = 1, 2, 4, ... <= N (pass_at_k) and eval/maj@N (the most frequent completion text is right)."""
+    rows, n, threshold = task.eval_rows[rank::world], task.args.eval_num_samples, task.args.success_threshold
+    device = next(policy.parameters()).device
+    out = rollout(policy, tokenizer, rows, greedy, stop_strings, task)
     scores = out["scores"]  # [B]
-    total = global_sum(torch.tensor([scores.sum(), (scores >= task.args.success_threshold).sum(), len(scores)],
-                                    dtype=torch.float64, device=next(policy.parameters()).device)).tolist()
     samples = [{"prompt": p, "completion": t, "score": s}
                for p, t, s in zip(out["prompts"], out["texts"], scores.tolist())]
+    ks = [2 ** i for i in range(n.bit_length())]  # 1, 2, 4, ... <= N; none when N = 0
+    hits = torch.zeros(len(ks) + (n > 0), dtype=torch.float64)  # summed over this process's rows: pass@k, maj@N
+    if n:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            draws = [rollout(policy, tokenizer, rows, sample, stop_strings, task) for _ in range(n)]
+        for i, s in enumerate(samples):
+            texts, got = [d["texts"][i] for d in draws], [d["scores"][i].item() for d in draws]
+            right, votes = [x >= threshold for x in got], [t.strip() for t in texts]
+            s["samples"] = [{"completion": t, "score": x} for t, x in zip(texts, got)]
+            majority = right[votes.index(max(votes, key=votes.count))]  # the most frequent text (first seen on a tie)
+            hits += torch.tensor([pass_at_k(n, sum(right), k) for k in ks] + [majority], dtype=torch.float64)
+    total = global_sum(torch.tensor([len(scores), scores.sum(), (scores >= threshold).sum(), *hits],
+                                    dtype=torch.float64, device=device)).tolist()
     if world > 1:
         parts = [None] * world
         torch.distributed.all_gather_object(parts, samples)
         samples = [parts[j % world][j // world] for j in range(sum(map(len, parts)))]  # row j: rank j % world's
-    return {"eval/scores": total[0] / total[2], "task/accuracy": total[1] / total[2]}, samples
+    names = ["eval/scores", "task/accuracy", *[f"eval/pass@{k}" for k in ks], *[f"eval/maj@{n}"] * (n > 0)]
+    return {name: value / total[0] for name, value in zip(names, total[1:], strict=True)}, samples
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -1507,8 +1511,7 @@ def load_optimizer_state(optimizer, state: dict) -> None:
 
 def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
     """Set every dropout probability to 0, in dropout layers and in the float `*dropout*` attributes of modules that
-    apply dropout as a function (Llama's attention_dropout): with dropout, the same tokens get different logprobs in
-    each pass."""
+    apply dropout as a function (Llama's attention_dropout): with dropout, each pass gives tokens other logprobs."""
     for m in model.modules():
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0
@@ -1569,9 +1572,8 @@ def open_run(args, output_dir: Path, start: int, run_name: str) -> tuple[Path, A
 
 
 def log_row(path: Path | None, run, row: dict, samples: list | None = None) -> None:
-    """Append one row to metrics.jsonl; an evaluation's completions (iteration, prompt, completion, score) to
-    samples.jsonl beside it, the first three printed; both to wandb when tracking (the first 16 completions as a
-    table). Rank 0 only (path None elsewhere)."""
+    """Append one row to metrics.jsonl, an evaluation's completions (iteration, prompt, completion, score, ...) to
+    samples.jsonl (the first three printed); both to wandb when tracking (16 completions as a table). Rank 0 only."""
     if path is None:
         return
     with path.open("a") as f:
@@ -1620,8 +1622,7 @@ def plan_run(args) -> tuple[int, Path, str, Path | None]:
 
 def resume_state(ckpt: Path | None, optimizer, seed: int, rank: int, run_name: str) -> tuple[dict, int]:
     """The loop's progress (iterations done, episodes, seconds, last accuracy, run name, prompt position), the first
-    iteration to run, and this process's random state: fresh (seeded per rank, so that ranks sample differently), or
-    a checkpoint's, whose optimizer state is restored too."""
+    iteration to run, and this process's random state: fresh (seeded per rank, so ranks differ) or a checkpoint's."""
     random.seed(seed + rank)
     torch.manual_seed(seed + rank)
     if ckpt is None:

@@ -509,9 +509,8 @@ def load_pretrained(auto_cls, name: str, flag: str, trust_remote_code: bool = Fa
 
 def with_lora(model, lora: MemoryArgs) -> torch.nn.Module:
     """The model with fresh LoRA adapters (peft) when --lora-r > 0: they and a token classifier's head train, every
-    other weight is frozen; as it is with --lora-r 0. With --gradient-checkpointing, its layers recompute their
-    activations in the backward pass (only with gradients on: generation keeps its cache), which transformers does
-    in training mode only: the model is put in it (from_pretrained leaves it in eval mode)."""
+    other weight is frozen; as it is with --lora-r 0. With --gradient-checkpointing, its layers recompute activations
+    in the backward pass (generation keeps its cache), in training mode only: the model is put in it."""
     if lora.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
