@@ -16,6 +16,15 @@ and plots held-out accuracy against minutes of training to docs/img/real_model.p
     python benchmarks/real_model.py                        # rloo, ppo, rloo-lora (about an hour on 2 CPU cores)
     python benchmarks/real_model.py --runs none            # only make the model folder and the task
     python benchmarks/real_model.py --runs rloo --episodes-scale 0.1 --plot /tmp/real_model.png
+    python benchmarks/real_model.py --vs-trl               # rloo.py grpo against TRL 1.12's GRPOTrainer
+
+--vs-trl runs `rloo.py grpo` and TRL 1.12's GRPOTrainer (benchmarks/trl_side.py grpo-real, in vs_trl.py's TRL
+environment, never a dependency of this project) one after the other on the same model folder, task files and
+reward, with the same settings: 32 completions a step as 8 prompts x 4, 16 new tokens, temperature 1, lr 2e-5
+decaying linearly, beta 0.04 with k3 in the loss, group std scaling, loss_type grpo, one update per generation,
+fp32, no activation checkpointing, torch's 2 threads. Both are evaluated by ppo.py's `evaluate` (greedy, the 200
+held-out sums) every 10 steps of 32 episodes. Its table adds the median seconds per step; its plot goes to
+docs/img/real_model_vs_trl.png. Without the TRL environment the TRL side is skipped, said in one line.
 """
 
 import argparse
@@ -72,6 +81,7 @@ class Run:
     total_episodes: int
     batch_size: int
     flags: list[str]
+    recipe: str | None = None  # a named configuration of the script, given before the flags
 
 
 # Settings for 2 CPU cores: 80, 32 and 80 iterations of 32 responses (measured there: about 16, 45 and 15 s an
@@ -84,6 +94,13 @@ RUNS = {
     "rloo-lora": Run("rloo.py", 2560, 32, ["--lora-r", "16", "--learning-rate", "2e-4", "--rloo-k", "4",
                                            "--eval-every", "10"]),
 }
+# --vs-trl: our side (the grpo recipe: group-mean baseline over the group std, per-response means, k3 KL in the loss
+# at 0.04) and TRL's, at the same episodes and evaluation points
+VS_TRL = {
+    "rloo-grpo": Run("rloo.py", 2560, 32, ["--learning-rate", "2e-5", "--rloo-k", "4", "--eval-every", "10"],
+                        recipe="grpo"),
+    "trl-grpo": Run("benchmarks/trl_side.py", 2560, 32, ["grpo-real"]),
+}
 
 
 def main() -> None:
@@ -95,8 +112,11 @@ def main() -> None:
                         help="runs to make, in this order ('none': only the model folder and the task)")
     parser.add_argument("--episodes-scale", type=float, default=1.0,
                         help="multiply each run's episodes by this (rounded to whole batches, at least one)")
-    parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "img" / "real_model.png",
-                        help="PNG of held-out accuracy against minutes")
+    parser.add_argument("--plot", type=Path, default=None,
+                        help="PNG of held-out accuracy against minutes (default docs/img/real_model.png, with "
+                             "--vs-trl docs/img/real_model_vs_trl.png)")
+    parser.add_argument("--vs-trl", action="store_true",
+                        help="rloo.py grpo against TRL 1.12's GRPOTrainer on the same task and settings")
     parser.add_argument("--convert-gguf", nargs=2, type=Path, metavar=("GGUF", "FOLDER"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.convert_gguf:  # the conversion subprocess (make_model_folder), with gguf and accelerate importable
@@ -107,15 +127,21 @@ def main() -> None:
     model = args.model_folder.resolve() if args.model_folder else make_model_folder(CACHE / "SmolLM2-135M-Instruct")
     data = write_task(out / "data")
     print(f"model {model}; task {data} ({NUM_TRAIN} training prompts, {NUM_TEST} held-out)", flush=True)
-    names = [name for name in args.runs if name != "none"]
+    runs = VS_TRL if args.vs_trl else {name: RUNS[name] for name in args.runs if name != "none"}
+    png = args.plot or ROOT / "docs" / "img" / ("real_model_vs_trl.png" if args.vs_trl else "real_model.png")
     results = {}
-    for name in names:
-        print(f"{name}: running, log in {out / name / 'log.txt'}", flush=True)
-        results[name] = run(name, RUNS[name], model, data, out / name, args.episodes_scale)
+    for name, spec in runs.items():
+        folder = out / name
+        if spec.script.endswith("trl_side.py") and not (ROOT / "benchmarks" / ".trl-venv" / "bin" / "python").exists():
+            print(f"{name}: skipped, no TRL environment at benchmarks/.trl-venv (make it with python -c \"import "
+                  "sys; sys.path.insert(0, 'benchmarks'); import vs_trl; vs_trl.trl_python()\")", flush=True)
+            continue
+        print(f"{name}: running, log in {folder / 'log.txt'}", flush=True)
+        results[name] = run(name, spec, model, data, folder, args.episodes_scale)
     if results:
-        print(table(results))
-        plot(results, args.plot, model.name)
-        print(f"wrote {args.plot}")
+        print(vs_table(results) if args.vs_trl else table(results))
+        plot(results, png, model.name)
+        print(f"wrote {png}")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -246,10 +272,15 @@ def run(name: str, spec: Run, model: Path, data: Path, out: Path, episodes_scale
     """Run one script into `out` (its output to out/log.txt) and measure it: its metrics rows, wall minutes and peak
     resident memory in MB (os.wait4 gives the finished child's own rusage, whose ru_maxrss is in KiB on Linux)."""
     episodes = max(1, round(spec.total_episodes * episodes_scale / spec.batch_size)) * spec.batch_size
-    cmd = [sys.executable, spec.script, "--model", str(model), "--dataset", str(data), "--dataset-split", "train",
-           "--eval-split", "test", "--num-eval-prompts", str(NUM_TEST), "--reward-fn", f"{data / 'reward.py'}:score",
-           "--max-new-tokens", str(MAX_NEW_TOKENS), "--total-episodes", str(episodes), "--batch-size",
-           str(spec.batch_size), *spec.flags, "--output-dir", str(out)]
+    if spec.script.endswith("trl_side.py"):  # TRL's side, in its own environment: the same task and evaluation points
+        cmd = [str(ROOT / "benchmarks" / ".trl-venv" / "bin" / "python"), spec.script, *spec.flags, str(episodes),
+               str(model), str(data), str(out), "10"]
+    else:
+        cmd = [sys.executable, spec.script, *([spec.recipe] if spec.recipe else []), "--model", str(model),
+               "--dataset", str(data), "--dataset-split", "train", "--eval-split", "test", "--num-eval-prompts",
+               str(NUM_TEST), "--reward-fn", f"{data / 'reward.py'}:score", "--max-new-tokens", str(MAX_NEW_TOKENS),
+               "--total-episodes", str(episodes), "--batch-size", str(spec.batch_size), *spec.flags,
+               "--output-dir", str(out)]
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error"}
@@ -280,6 +311,22 @@ def table(results: dict[str, dict]) -> str:
         lines.append(f"| {name} | {evals[0]['task/accuracy']:.3f} | {evals[-1]['task/accuracy']:.3f} | "
                      f"{last['episode']} | {result['minutes']:.1f} | {result['peak_mb']:,.0f} | "
                      f"{last.get('objective/kl', float('nan')):.4f} |")
+    return "\n".join(lines)
+
+
+def vs_table(results: dict[str, dict]) -> str:
+    """--vs-trl's table: one row per side, held-out accuracy at step 0 and at the end, episodes, wall minutes (the
+    whole run: loading, evaluations, saving), the median seconds between consecutive steps (a step after an
+    evaluation holds it: the median leaves those out), and peak resident memory."""
+    lines = ["| side | base accuracy | final accuracy | episodes | minutes | s/step (median) | peak memory (MB) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for name, result in results.items():
+        rows = result["rows"]
+        evals = [row for row in rows if "task/accuracy" in row]
+        steps = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(rows[1:], rows[2:])]  # from the first step's end
+        median = sorted(steps)[len(steps) // 2] if steps else rows[-1]["elapsed_s"]
+        lines.append(f"| {name} | {evals[0]['task/accuracy']:.3f} | {evals[-1]['task/accuracy']:.3f} | "
+                     f"{rows[-1]['episode']} | {result['minutes']:.1f} | {median:.2f} | {result['peak_mb']:,.0f} |")
     return "\n".join(lines)
 
 

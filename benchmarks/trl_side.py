@@ -13,6 +13,11 @@ TRL then uses the policy with its adapters off as the reference. TRL's PPOTraine
 only and would train the value model whole; here the value model gets the same adapters (peft's in-place injection,
 its head trained whole), so that both sides train the same parameters.
     benchmarks/.trl-venv/bin/python benchmarks/trl_side.py rloo-learn EPISODES MODEL_FOLDER SEED
+    benchmarks/.trl-venv/bin/python benchmarks/trl_side.py grpo-real EPISODES MODEL_FOLDER TASK_FOLDER OUT EVAL_EVERY
+
+grpo-real is benchmarks/real_model.py --vs-trl's TRL side: TRL's GRPOTrainer on that benchmark's task folder (train
+and test splits, reward.py) with `rloo.py grpo`'s settings, evaluated by ppo.py's own `evaluate` (greedy, the 200
+held-out sums) before training and every EVAL_EVERY steps, writing OUT/metrics.jsonl rows as our scripts write them.
 """
 
 import gc
@@ -109,7 +114,73 @@ def learn(episodes: int, folder: Path, seed: int) -> None:
     print(json.dumps({"accuracy": sum(s == 1.0 for s in scores) / len(rows), "seconds": seconds}))
 
 
+def grpo_real(episodes: int, model: Path, data: Path, out: Path, eval_every: int) -> None:
+    """TRL's GRPOTrainer with rloo.py grpo's settings on real_model.py's task: 32 completions a step as 8 prompts x 4,
+    16 new tokens, temperature 1, lr 2e-5 decaying linearly, AdamW (eps 1e-5, weight decay 0.01, as ours), beta 0.04
+    with k3 in the loss, group std scaling, loss_type grpo, one update per generation, fp32, no checkpointing. One
+    metrics row per step (iteration, episode, elapsed_s: seconds since training began, evaluations included, as
+    ours); evaluations add eval/scores and task/accuracy from ppo.py's evaluate on the model being trained."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    import ppo
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    spec = f"{data / 'reward.py'}:score"
+    reward = ppo.load_callable(spec, "--reward-fn")
+    task_args = ppo.TaskArgs(dataset=str(data), dataset_split="train", eval_split="test", num_eval_prompts=200,
+                             reward_fn=[spec])
+    eval_tokenizer = AutoTokenizer.from_pretrained(model, padding_side="left")
+    eval_tokenizer.pad_token = eval_tokenizer.pad_token or eval_tokenizer.eos_token
+    task = ppo.load_task(task_args, eval_tokenizer, 10**9, 16)
+    greedy = ppo.generation_configs(ppo.GenArgs(max_new_tokens=16), eval_tokenizer, 1.0)[1]
+    out.mkdir(parents=True, exist_ok=True)
+    log = (out / "metrics.jsonl").open("w")
+
+    class Evaluate(TrainerCallback):
+        """A metrics row per step; ppo.py's greedy evaluation at step 0, every eval_every steps and at the end."""
+
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            self.row(0, model, state.max_steps)
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            self.row(state.global_step, model, state.max_steps)
+
+        def row(self, step: int, model, max_steps: int) -> None:
+            row = {"iteration": step, "episode": 32 * step,
+                   "elapsed_s": round(time.perf_counter() - self.start, 3) if step else 0.0}
+            if step % eval_every == 0 or step == max_steps:
+                model.eval()
+                with torch.no_grad():
+                    metrics, _ = ppo.evaluate(model, eval_tokenizer, task, greedy, greedy, [], 0, 1)
+                model.train()
+                row.update(metrics)
+            log.write(json.dumps(row) + "\n")
+            log.flush()
+
+    ds = Dataset.from_json(str(data / "train.jsonl"))
+    config = GRPOConfig(output_dir=str(out / "trl"), report_to=[], logging_steps=10**6, save_strategy="no",
+                        use_cpu=True, seed=1, dataloader_num_workers=0, disable_tqdm=True, bf16=False,
+                        gradient_checkpointing=False, per_device_train_batch_size=32, num_generations=4,
+                        max_completion_length=16, temperature=1.0, top_p=1.0, learning_rate=2e-5,
+                        lr_scheduler_type="linear", adam_epsilon=1e-5, weight_decay=0.01, max_grad_norm=1.0,
+                        beta=0.04, loss_type="grpo", scale_rewards="group", num_iterations=1,
+                        max_steps=episodes // 32)
+    reward_fn = lambda prompts, completions, **kw: reward(prompts, completions, **kw)  # noqa: E731
+    reward_fn.__name__ = "score"
+    trainer = GRPOTrainer(model=str(model), reward_funcs=reward_fn, args=config, train_dataset=ds,
+                          processing_class=tokenizer, callbacks=[Evaluate()])
+    ref = trainer.ref_model.dtype if trainer.ref_model is not None else None
+    print(f"TRL GRPOTrainer: policy {trainer.model.dtype}, reference {ref}, {config.max_steps} steps", flush=True)
+    trainer.train()
+    log.close()
+    print(f"rows in {out / 'metrics.jsonl'}")
+
+
 def main() -> None:
+    if sys.argv[1] == "grpo-real":
+        return grpo_real(int(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4]), Path(sys.argv[5]), int(sys.argv[6]))
     if sys.argv[1] == "rloo-learn":
         return learn(int(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]))
     algo, iterations, art = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])

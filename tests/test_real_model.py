@@ -120,3 +120,36 @@ def test_the_table_takes_base_and_final_accuracy_from_the_first_and_last_evaluat
             {"iteration": 3, "episode": 96, "elapsed_s": 50.0, "objective/kl": 0.0312345}]
     lines = real_model.table({"rloo": {"rows": rows, "minutes": 1.44, "peak_mb": 4875.4}}).splitlines()
     assert lines[2] == "| rloo | 0.245 | 0.420 | 96 | 1.4 | 4,875 | 0.0312 |"
+
+
+def test_vs_trl_runs_rloo_grpo_and_trl_grpotrainer_at_the_same_evaluation_points(tiny_chat_model, tmp_path):
+    """--vs-trl at its smallest: 4 steps of 32 episodes a side. Without the TRL environment (a clean clone, CI) the
+    TRL side is skipped in one line and our side still runs."""
+    out, png = tmp_path / "runs", tmp_path / "vs_trl.png"
+    result = run_script("benchmarks/real_model.py", "--vs-trl", "--model-folder", tiny_chat_model, "--out", out,
+                        "--episodes-scale", SCALE, "--plot", png, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    has_trl = (ROOT / "benchmarks" / ".trl-venv" / "bin" / "python").exists()
+    lines = result.stdout.strip().splitlines()
+    header = "| side | base accuracy | final accuracy | episodes | minutes | s/step (median) | peak memory (MB) |"
+    sides = ["rloo-grpo", "trl-grpo"] if has_trl else ["rloo-grpo"]
+    table = lines[lines.index(header) + 2:lines.index(header) + 2 + len(sides)]
+    rows = {cells[0]: cells[1:] for cells in ([c.strip() for c in line.strip("|").split("|")] for line in table)}
+    assert list(rows) == sides
+    if not has_trl:
+        assert any(line.startswith("trl-grpo: skipped, no TRL environment") for line in lines)
+    config = json.loads((out / "rloo-grpo" / "config.json").read_text())
+    assert config["rloo"]["loss_type"] == "grpo" and config["rloo"]["kl_coef"] == 0.04  # the grpo recipe
+    evaluated = {}
+    for name, (base, final, episodes, minutes, per_step, peak) in rows.items():
+        metrics = read_rows(out / name / "metrics.jsonl")
+        evals = [r for r in metrics if "task/accuracy" in r]
+        evaluated[name] = [r["episode"] for r in evals]
+        assert float(base) == pytest.approx(evals[0]["task/accuracy"], abs=5e-4)
+        assert float(final) == pytest.approx(evals[-1]["task/accuracy"], abs=5e-4)
+        assert int(episodes) == metrics[-1]["episode"] == 128
+        steps = sorted(b["elapsed_s"] - a["elapsed_s"] for a, b in zip(metrics[1:], metrics[2:]))
+        assert float(minutes) > 0 and float(per_step) == pytest.approx(steps[len(steps) // 2], abs=5e-3)
+        assert 100 < float(peak.replace(",", "")) < 50_000
+    assert len({tuple(e) for e in evaluated.values()}) == 1 and evaluated["rloo-grpo"] == [0, 128]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
