@@ -17,6 +17,7 @@ and plots held-out accuracy against minutes of training to docs/img/real_model.p
     python benchmarks/real_model.py --runs none            # only make the model folder and the task
     python benchmarks/real_model.py --runs rloo --episodes-scale 0.1 --plot /tmp/real_model.png
     python benchmarks/real_model.py --vs-trl               # rloo.py grpo against TRL 1.12's GRPOTrainer
+    python benchmarks/real_model.py --runs none --eval-num-samples 8   # pass@k of the base model alone
 
 --vs-trl runs `rloo.py grpo` and TRL 1.12's GRPOTrainer (benchmarks/trl_side.py grpo-real, in vs_trl.py's TRL
 environment, never a dependency of this project) one after the other on the same model folder, task files and
@@ -84,16 +85,20 @@ class Run:
     recipe: str | None = None  # a named configuration of the script, given before the flags
 
 
-# Settings for 2 CPU cores: 80, 32 and 80 iterations of 32 responses (measured there: about 16, 45 and 15 s an
-# iteration, and 20 s an evaluation of the 200 held-out sums). PPO's peak memory is the largest, about 11.5 GB: policy,
-# value model and reference, the first two with AdamW's state.
+# Settings for 2 CPU cores: 80, 60 and 80 iterations of 32 responses. PPO's peak memory is the largest, about 11.5 GB:
+# policy, value model and reference, the first two with AdamW's state. The last two runs are not made by default: they
+# ask whether a lower learning rate or a larger KL coefficient lifts rloo.py past where the first run stalls.
 RUNS = {
     "rloo": Run("rloo.py", 2560, 32, ["--learning-rate", "2e-5", "--rloo-k", "4", "--eval-every", "10"]),
-    "ppo": Run("ppo.py", 1024, 32, ["--learning-rate", "2e-5", "--num-ppo-epochs", "1", "--num-mini-batches", "1",
-                                    "--eval-every", "8"]),
+    "ppo": Run("ppo.py", 1920, 32, ["--learning-rate", "2e-5", "--num-ppo-epochs", "1", "--num-mini-batches", "1",
+                                    "--eval-every", "10"]),
     "rloo-lora": Run("rloo.py", 2560, 32, ["--lora-r", "16", "--learning-rate", "2e-4", "--rloo-k", "4",
                                            "--eval-every", "10"]),
+    "rloo-lr1e-5": Run("rloo.py", 3200, 32, ["--learning-rate", "1e-5", "--rloo-k", "4", "--eval-every", "10"]),
+    "rloo-kl0.2": Run("rloo.py", 3200, 32, ["--learning-rate", "2e-5", "--kl-coef", "0.2", "--rloo-k", "4",
+                                            "--eval-every", "10"]),
 }
+DEFAULT_RUNS = ["rloo", "ppo", "rloo-lora"]
 # --vs-trl: our side (the grpo recipe: group-mean baseline over the group std, per-response means, k3 KL in the loss
 # at 0.04) and TRL's, at the same episodes and evaluation points
 VS_TRL = {
@@ -108,8 +113,9 @@ def main() -> None:
     parser.add_argument("--model-folder", type=Path, default=None,
                         help="use this model folder instead of making SmolLM2-135M-Instruct's in the cache")
     parser.add_argument("--out", type=Path, default=CACHE / "runs", help="folder of the task data and the runs")
-    parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=[*RUNS, "none"],
-                        help="runs to make, in this order ('none': only the model folder and the task)")
+    parser.add_argument("--runs", nargs="+", default=DEFAULT_RUNS, choices=[*RUNS, "none"],
+                        help=f"runs to make, in this order (default: {' '.join(DEFAULT_RUNS)}; 'none': only the model "
+                             "folder and the task)")
     parser.add_argument("--episodes-scale", type=float, default=1.0,
                         help="multiply each run's episodes by this (rounded to whole batches, at least one)")
     parser.add_argument("--plot", type=Path, default=None,
@@ -117,6 +123,10 @@ def main() -> None:
                              "--vs-trl docs/img/real_model_vs_trl.png)")
     parser.add_argument("--vs-trl", action="store_true",
                         help="rloo.py grpo against TRL 1.12's GRPOTrainer on the same task and settings")
+    parser.add_argument("--eval-num-samples", type=int, default=0, metavar="N",
+                        help="after the runs, pass@k (k = 1, 2, 4, ... <= N) and maj@N on the held-out sums, N sampled "
+                             "completions a prompt, of the base model and of each run folder in --out that holds a "
+                             "final model, made now or before (0: off)")
     parser.add_argument("--convert-gguf", nargs=2, type=Path, metavar=("GGUF", "FOLDER"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.convert_gguf:  # the conversion subprocess (make_model_folder), with gguf and accelerate importable
@@ -142,6 +152,9 @@ def main() -> None:
         print(vs_table(results) if args.vs_trl else table(results))
         plot(results, png, model.name)
         print(f"wrote {png}")
+    if args.eval_num_samples:
+        finals = {folder.parent.name: folder for folder in sorted(out.glob("*/model"))}  # ours: TRL's saves none
+        print(pass_at_k_table({"base": model, **finals}, data, out / "pass_at_k", args.eval_num_samples))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -327,6 +340,22 @@ def vs_table(results: dict[str, dict]) -> str:
         median = sorted(steps)[len(steps) // 2] if steps else rows[-1]["elapsed_s"]
         lines.append(f"| {name} | {evals[0]['task/accuracy']:.3f} | {evals[-1]['task/accuracy']:.3f} | "
                      f"{rows[-1]['episode']} | {result['minutes']:.1f} | {median:.2f} | {result['peak_mb']:,.0f} |")
+    return "\n".join(lines)
+
+
+def pass_at_k_table(models: dict[str, Path], data: Path, out: Path, n: int) -> str:
+    """--eval-num-samples N: each model's greedy accuracy, pass@k for k = 1, 2, 4, ... <= N and maj@N on the held-out
+    sums, from rloo.py's own evaluation (N completions a prompt by the training sampler: temperature 1, 16 new
+    tokens) at iteration 0 of a run that trains nothing (--learning-rate 0, one iteration)."""
+    ks = [2 ** i for i in range(n.bit_length())]
+    lines = ["| model | greedy accuracy | " + " | ".join(f"pass@{k}" for k in ks) + f" | maj@{n} |",
+             "| --- " * (len(ks) + 3) + "|"]
+    for name, folder in models.items():
+        spec = Run("rloo.py", 32, 32, ["--learning-rate", "0", "--eval-num-samples", str(n), "--eval-every", "1000"])
+        print(f"pass@k of {name}: evaluating {folder}, log in {out / name / 'log.txt'}", flush=True)
+        first = run(name, spec, folder, data, out / name, 1.0)["rows"][0]
+        cells = [first["task/accuracy"], *[first[f"eval/pass@{k}"] for k in ks], first[f"eval/maj@{n}"]]
+        lines.append(f"| {name} | " + " | ".join(f"{x:.3f}" for x in cells) + " |")
     return "\n".join(lines)
 
 

@@ -82,8 +82,9 @@ def trl_advantages(rewards: torch.Tensor, baseline: str, scale: str) -> torch.Te
 def trl_loss(logps: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
              loss_type: str = "dapo", level: str = "token", eps_low: float = 0.2, eps_high: float = 0.2,
              beta: float = 0.0, ref: torch.Tensor | None = None, is_ratio: torch.Tensor | None = None,
-             num_items: float | None = None, max_completion_length: int = T) -> torch.Tensor:
-    """GRPOTrainer._compute_loss for one micro-batch."""
+             num_items: float | None = None, max_completion_length: int = T,
+             bias_correction: bool = False) -> torch.Tensor:
+    """GRPOTrainer._compute_loss for one micro-batch (bias_correction: its use_bias_correction_kl)."""
     log_ratio = logps - old
     if level == "sequence":
         log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
@@ -93,7 +94,8 @@ def trl_loss(logps: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor, m
     if is_ratio is not None:
         per_token_loss = per_token_loss * is_ratio
     if beta != 0.0:
-        per_token_loss = per_token_loss + beta * (torch.exp(ref - logps) - (ref - logps) - 1)
+        per_token_kl = torch.exp(ref - logps) - (ref - logps) - 1
+        per_token_loss = per_token_loss + beta * (per_token_kl * coef_1 if bias_correction else per_token_kl)
     if loss_type == "grpo":
         return ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
     if loss_type == "bnpo":
@@ -144,6 +146,11 @@ SWITCHES = {  # RLOOHParams for each switch, and TRL's setting of the same
                                    dict(mask_truncated=True)),
     "k3 KL in the loss (GRPO's beta)": (dict(baseline="group_mean", kl_in_reward=False, kl_estimator="k3",
                                              kl_coef=0.04, loss_type="grpo"), dict(beta=0.04, loss_type="grpo")),
+    # TRL 1.12's default use_bias_correction_kl multiplies the k3 term by the ratio, 1 on-policy but not its gradient:
+    # (1 - r) + k3 = log(pi / ref) times grad log pi, which is k2's gradient
+    "k2 KL in the loss (TRL's bias-corrected k3)": (dict(baseline="group_mean", kl_in_reward=False,
+                                                         kl_estimator="k2", kl_coef=0.04, loss_type="grpo"),
+                                                    dict(beta=0.04, loss_type="grpo", bias_correction=True)),
 }
 
 
@@ -165,7 +172,8 @@ def test_each_switch_gives_the_gradient_of_trls_formula(name):
         ref_logps = trl_logps(ref, queries[rows], responses[rows], mask[rows]).detach()
         loss = trl_loss(logps, logps.detach(), advantages[rows], mask[rows], loss_type=trl.get("loss_type", "dapo"),
                         level=trl.get("level", "token"), beta=trl.get("beta", 0.0), ref=ref_logps,
-                        num_items=mask.sum(), max_completion_length=trl.get("max_completion_length", T))
+                        num_items=mask.sum(), max_completion_length=trl.get("max_completion_length", T),
+                        bias_correction=trl.get("bias_correction", False))
         (loss if trl.get("loss_type", "dapo") == "dapo" else loss / accumulation).backward()
     assert_same_direction_and_size(ours, -flat_grad(model))
 

@@ -20,8 +20,8 @@ import real_model  # noqa: E402
 
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' + '\n' }}"
           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-SCALE = 0.05  # rloo: 2560 x 0.05 = 128 episodes (4 iterations of 32); ppo: 1024 x 0.05 = 51 -> 64 (2 iterations)
-EPISODES = {"rloo": 128, "ppo": 64, "rloo-lora": 128}
+SCALE = 0.05  # rloo: 2560 x 0.05 = 128 episodes (4 iterations of 32); ppo: 1920 x 0.05 = 96 (3 iterations)
+EPISODES = {"rloo": 128, "ppo": 96, "rloo-lora": 128}  # the default runs, in their order
 
 
 def build_chat_tokenizer() -> PreTrainedTokenizerFast:
@@ -124,10 +124,11 @@ def test_the_table_takes_base_and_final_accuracy_from_the_first_and_last_evaluat
 
 def test_vs_trl_runs_rloo_grpo_and_trl_grpotrainer_at_the_same_evaluation_points(tiny_chat_model, tmp_path):
     """--vs-trl at its smallest: 4 steps of 32 episodes a side. Without the TRL environment (a clean clone, CI) the
-    TRL side is skipped in one line and our side still runs."""
+    TRL side is skipped in one line and our side still runs. --eval-num-samples 2 then gives pass@k of the base model
+    and of our side's final model, rloo.py's own iteration-0 evaluation with nothing trained."""
     out, png = tmp_path / "runs", tmp_path / "vs_trl.png"
     result = run_script("benchmarks/real_model.py", "--vs-trl", "--model-folder", tiny_chat_model, "--out", out,
-                        "--episodes-scale", SCALE, "--plot", png, timeout=600)
+                        "--episodes-scale", SCALE, "--plot", png, "--eval-num-samples", "2", timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     has_trl = (ROOT / "benchmarks" / ".trl-venv" / "bin" / "python").exists()
     lines = result.stdout.strip().splitlines()
@@ -153,3 +154,14 @@ def test_vs_trl_runs_rloo_grpo_and_trl_grpotrainer_at_the_same_evaluation_points
         assert 100 < float(peak.replace(",", "")) < 50_000
     assert len({tuple(e) for e in evaluated.values()}) == 1 and evaluated["rloo-grpo"] == [0, 128]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    header = "| model | greedy accuracy | pass@1 | pass@2 | maj@2 |"
+    table = lines[lines.index(header) + 2:lines.index(header) + 4]
+    for line, name in zip(table, ["base", "rloo-grpo"]):
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        first = read_rows(out / "pass_at_k" / name / "metrics.jsonl")[0]
+        config = json.loads((out / "pass_at_k" / name / "config.json").read_text())
+        assert config["learning_rate"] == 0 and config["task"]["eval_num_samples"] == 2
+        assert cells[0] == name and first["iteration"] == 0
+        expected = [first[k] for k in ("task/accuracy", "eval/pass@1", "eval/pass@2", "eval/maj@2")]
+        assert [float(c) for c in cells[1:]] == pytest.approx(expected, abs=5e-4)
