@@ -119,9 +119,9 @@ def grpo_real(episodes: int, model: Path, data: Path, out: Path, eval_every: int
     16 new tokens, temperature 1, lr 2e-5 decaying linearly, AdamW (eps 1e-5, weight decay 0.01, as ours), beta 0.04
     with k3 in the loss (use_bias_correction_kl off: TRL 1.12's default multiplies the k3 term by the importance
     ratio, whose gradient makes it rloo.py's --kl-estimator k2), group std scaling, loss_type grpo, one update per
-    generation, fp32, no checkpointing. One
-    metrics row per step (iteration, episode, elapsed_s: seconds since training began, evaluations included, as
-    ours); evaluations add eval/scores and task/accuracy from ppo.py's evaluate on the model being trained."""
+    generation, fp32, no checkpointing. One metrics row per step (iteration, episode, elapsed_s: seconds since
+    training began, evaluations included, as ours); evaluations add eval/scores and task/accuracy from ppo.py's
+    evaluate on the model being trained."""
     from trl import GRPOConfig, GRPOTrainer
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -169,9 +169,7 @@ def grpo_real(episodes: int, model: Path, data: Path, out: Path, eval_every: int
                         lr_scheduler_type="linear", adam_epsilon=1e-5, weight_decay=0.01, max_grad_norm=1.0,
                         beta=0.04, use_bias_correction_kl=False, loss_type="grpo", scale_rewards="group",
                         num_iterations=1, max_steps=episodes // 32)
-    reward_fn = lambda prompts, completions, **kw: reward(prompts, completions, **kw)  # noqa: E731
-    reward_fn.__name__ = "score"
-    trainer = GRPOTrainer(model=str(model), reward_funcs=reward_fn, args=config, train_dataset=ds,
+    trainer = GRPOTrainer(model=str(model), reward_funcs=reward, args=config, train_dataset=ds,
                           processing_class=tokenizer, callbacks=[Evaluate()])
     ref = trainer.ref_model.dtype if trainer.ref_model is not None else None
     print(f"TRL GRPOTrainer: policy {trainer.model.dtype}, reference {ref}, {config.max_steps} steps", flush=True)
