@@ -150,7 +150,8 @@ def test_vs_trl_runs_rloo_grpo_and_trl_grpotrainer_at_the_same_evaluation_points
         assert float(final) == pytest.approx(evals[-1]["task/accuracy"], abs=5e-4)
         assert int(episodes) == metrics[-1]["episode"] == 128
         steps = sorted(b["elapsed_s"] - a["elapsed_s"] for a, b in zip(metrics[1:], metrics[2:]))
-        assert float(minutes) > 0 and float(per_step) == pytest.approx(steps[len(steps) // 2], abs=5e-3)
+        assert float(minutes) * 60 + 3 >= metrics[-1]["elapsed_s"]  # the whole run holds its training (0.05 min: 3 s)
+        assert float(per_step) == pytest.approx(steps[len(steps) // 2], abs=6e-3)  # printed to 2 decimals
         assert 100 < float(peak.replace(",", "")) < 50_000
     assert len({tuple(e) for e in evaluated.values()}) == 1 and evaluated["rloo-grpo"] == [0, 128]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -164,4 +165,4 @@ def test_vs_trl_runs_rloo_grpo_and_trl_grpotrainer_at_the_same_evaluation_points
         assert config["learning_rate"] == 0 and config["task"]["eval_num_samples"] == 2
         assert cells[0] == name and first["iteration"] == 0
         expected = [first[k] for k in ("task/accuracy", "eval/pass@1", "eval/pass@2", "eval/maj@2")]
-        assert [float(c) for c in cells[1:]] == pytest.approx(expected, abs=5e-4)
+        assert [float(c) for c in cells[1:]] == pytest.approx(expected, abs=6e-4)  # printed to 3 decimals
