@@ -113,9 +113,9 @@ def main() -> None:
     parser.add_argument("--model-folder", type=Path, default=None,
                         help="use this model folder instead of making SmolLM2-135M-Instruct's in the cache")
     parser.add_argument("--out", type=Path, default=CACHE / "runs", help="folder of the task data and the runs")
-    parser.add_argument("--runs", nargs="+", default=DEFAULT_RUNS, choices=[*RUNS, "none"],
+    parser.add_argument("--runs", nargs="+", default=DEFAULT_RUNS, choices=[*RUNS, *VS_TRL, "none"],
                         help=f"runs to make, in this order (default: {' '.join(DEFAULT_RUNS)}; 'none': only the model "
-                             "folder and the task)")
+                             "folder and the task; with --vs-trl, one side: rloo-grpo or trl-grpo)")
     parser.add_argument("--episodes-scale", type=float, default=1.0,
                         help="multiply each run's episodes by this (rounded to whole batches, at least one)")
     parser.add_argument("--plot", type=Path, default=None,
@@ -137,7 +137,12 @@ def main() -> None:
     model = args.model_folder.resolve() if args.model_folder else make_model_folder(CACHE / "SmolLM2-135M-Instruct")
     data = write_task(out / "data")
     print(f"model {model}; task {data} ({NUM_TRAIN} training prompts, {NUM_TEST} held-out)", flush=True)
-    runs = VS_TRL if args.vs_trl else {name: RUNS[name] for name in args.runs if name != "none"}
+    if args.vs_trl:
+        runs = {name: VS_TRL[name] for name in args.runs if name in VS_TRL} or VS_TRL
+    elif set(args.runs) & set(VS_TRL):
+        parser.error(f"--runs {' '.join(args.runs)}: {', '.join(VS_TRL)} are --vs-trl's sides; add --vs-trl")
+    else:
+        runs = {name: RUNS[name] for name in args.runs if name != "none"}
     png = args.plot or ROOT / "docs" / "img" / ("real_model_vs_trl.png" if args.vs_trl else "real_model.png")
     results = {}
     for name, spec in runs.items():
