@@ -133,16 +133,16 @@ def main() -> None:
         convert_gguf(*args.convert_gguf)
         return
 
-    out = args.out.resolve()  # the runs start in the repository root
-    model = args.model_folder.resolve() if args.model_folder else make_model_folder(CACHE / "SmolLM2-135M-Instruct")
-    data = write_task(out / "data")
-    print(f"model {model}; task {data} ({NUM_TRAIN} training prompts, {NUM_TEST} held-out)", flush=True)
     if args.vs_trl:
         runs = {name: VS_TRL[name] for name in args.runs if name in VS_TRL} or VS_TRL
     elif set(args.runs) & set(VS_TRL):
         parser.error(f"--runs {' '.join(args.runs)}: {', '.join(VS_TRL)} are --vs-trl's sides; add --vs-trl")
     else:
         runs = {name: RUNS[name] for name in args.runs if name != "none"}
+    out = args.out.resolve()  # the runs start in the repository root
+    model = args.model_folder.resolve() if args.model_folder else make_model_folder(CACHE / "SmolLM2-135M-Instruct")
+    data = write_task(out / "data")
+    print(f"model {model}; task {data} ({NUM_TRAIN} training prompts, {NUM_TEST} held-out)", flush=True)
     png = args.plot or ROOT / "docs" / "img" / ("real_model_vs_trl.png" if args.vs_trl else "real_model.png")
     results = {}
     for name, spec in runs.items():
@@ -355,8 +355,8 @@ def pass_at_k_table(models: dict[str, Path], data: Path, out: Path, n: int) -> s
     ks = [2 ** i for i in range(n.bit_length())]
     lines = ["| model | greedy accuracy | " + " | ".join(f"pass@{k}" for k in ks) + f" | maj@{n} |",
              "| --- " * (len(ks) + 3) + "|"]
+    spec = Run("rloo.py", 32, 32, ["--learning-rate", "0", "--eval-num-samples", str(n), "--eval-every", "1000"])
     for name, folder in models.items():
-        spec = Run("rloo.py", 32, 32, ["--learning-rate", "0", "--eval-num-samples", str(n), "--eval-every", "1000"])
         print(f"pass@k of {name}: evaluating {folder}, log in {out / name / 'log.txt'}", flush=True)
         first = run(name, spec, folder, data, out / name, 1.0)["rows"][0]
         cells = [first["task/accuracy"], *[first[f"eval/pass@{k}"] for k in ks], first[f"eval/maj@{n}"]]

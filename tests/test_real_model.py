@@ -157,7 +157,8 @@ def test_vs_trl_runs_rloo_grpo_and_trl_grpotrainer_at_the_same_evaluation_points
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     header = "| model | greedy accuracy | pass@1 | pass@2 | maj@2 |"
-    table = lines[lines.index(header) + 2:lines.index(header) + 4]
+    table = lines[lines.index(header) + 2:]
+    assert [line.split("|")[1].strip() for line in table] == ["base", "rloo-grpo"]  # TRL's side saves no model
     for line, name in zip(table, ["base", "rloo-grpo"]):
         cells = [c.strip() for c in line.strip("|").split("|")]
         first = read_rows(out / "pass_at_k" / name / "metrics.jsonl")[0]
@@ -166,3 +167,10 @@ def test_vs_trl_runs_rloo_grpo_and_trl_grpotrainer_at_the_same_evaluation_points
         assert cells[0] == name and first["iteration"] == 0
         expected = [first[k] for k in ("task/accuracy", "eval/pass@1", "eval/pass@2", "eval/maj@2")]
         assert [float(c) for c in cells[1:]] == pytest.approx(expected, abs=6e-4)  # printed to 3 decimals
+
+
+def test_a_side_of_the_comparison_needs_vs_trl(tmp_path):
+    """--runs trl-grpo alone is refused in one line that names the fix, before any model folder or task is made."""
+    result = run_script("benchmarks/real_model.py", "--runs", "trl-grpo", "--out", tmp_path / "runs")
+    assert result.returncode == 2 and "are --vs-trl's sides; add --vs-trl" in result.stderr
+    assert not (tmp_path / "runs").exists()
