@@ -28,7 +28,6 @@ from typing import Annotated, Literal
 import torch
 import tyro
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 import ppo
 import stepwise_prm
@@ -247,7 +246,7 @@ def sft_step(policy, optimizer, input_ids: torch.Tensor, attention_mask: torch.T
                                      attention_mask=attention_mask)  # h [B, L, H], or the logits [B, L, V]
     targets, mask = labels[:, 1:], labels[:, 1:] != -100  # [B, L-1]
     n = ppo.global_sum(mask.sum().float()).clamp(min=1) / ppo.world_size()
-    losses, hits = ppo.over_logits(head, h[:, :-1], targets.clamp(min=0), lambda x, t: (  # [B, L-1]: loss, argmax hit
+    losses, hits = ppo.over_logits([head], [h[:, :-1]], targets.clamp(min=0), lambda x, t: (  # [B, L-1]: loss, argmax hit
         -ppo.token_logprobs(x, t, 1.0)[0], (x.argmax(-1) == t).float()), logits_chunk)
     loss = (losses * mask).sum() / n
     loss.backward()  # even when not finite: every process runs the same collectives
@@ -285,7 +284,8 @@ def main(args: Args) -> None:
     #    gets adapters of its own (the policy's, trained by every policy phase, are off for the reference).
     for name, phase, num_labels in (("value", "ppo", 1), ("prm", "prm", 2)):
         if phase in args.phases:
-            models[name] = ppo.token_classifier_from(policy, num_labels, "--model", f"drop the {phase} phase")
+            models[name] = ppo.token_classifier_from(policy, num_labels, "--model", f"drop the {phase} phase",
+                                                     args.trust_remote_code)
     models = {name: ppo.with_lora(model, args.memory) for name, model in models.items()}
     policy = models["policy"]
     context = ppo.model_context(policy)
@@ -293,8 +293,7 @@ def main(args: Args) -> None:
     eval_task = sources[rl[0]] if rl else ppo.load_task(TaskArgs(), tokenizer, context, args.gen.max_new_tokens)
     if ckpt is not None:
         for name, model in models.items():
-            cls = AutoModelForCausalLM if name == "policy" else AutoModelForTokenClassification
-            ppo.load_weights(model, ckpt / name, cls)
+            ppo.load_weights(model, ckpt / name)
     ppo.place([*models.values(), ref_policy, *[sources[p].reward_model for p in rl]], device, args.fsdp, world)
 
     # ---- optimizers: the policy's (shared, or one per phase) and the PRM's own

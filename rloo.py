@@ -37,6 +37,7 @@ import datasets
 import peft
 import torch
 import tyro
+from safetensors.torch import load_file
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
@@ -234,14 +235,15 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, support: tuple = (0, 1.0, 0.0),
-                   with_entropy: bool = False, entropy_grad: bool = False) -> tuple:
+                   with_entropy: bool = False, entropy_grad: bool = False, support_of: torch.Tensor | None = None) -> tuple:
     """Logprobs [B, T] of tokens [B, T] under logits [B, T, V] (or [N], [N, V]) as the sampler drew them: divided by
     the temperature and, with support = (top_k, top_p, min_p) set, renormalised over the tokens those filters keep
-    (filter_logits; each sampled token stays inside), so that filtered sampling is on-policy; and that distribution's
-    entropy, differentiable only if entropy_grad. Gathered logit minus logsumexp: no log-softmax is kept."""
+    (filter_logits; each sampled token stays inside) on these logits, or on `support_of`, the sampler's (the policy's,
+    for the reference: logprobs_on_support); and that distribution's entropy, differentiable only if entropy_grad."""
     logits = logits.float() / temperature  # [B, T, V] (or a chunk [N, V] from over_logits)
     if tuple(support) != (0, 1.0, 0.0):
-        logits = filter_logits(logits, *support, keep=tokens)
+        sampler = (logits if support_of is None else support_of.float() / temperature).detach()
+        logits = logits.masked_fill(filter_logits(sampler, *support, keep=tokens).isneginf(), -float("inf"))
     lse = logits.logsumexp(-1)  # [B, T]
     logprobs = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse
     if not with_entropy:
@@ -249,6 +251,17 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         kept = logits.masked_fill(logits == -float("inf"), 0.0)  # filtered tokens: probability 0, no term
         return logprobs, lse - (logits.softmax(-1) * kept).sum(-1)
+
+
+def logprobs_on_support(models: list[tuple], tokens: torch.Tensor, temperature: float, support: tuple,
+                        chunk: int) -> tuple:
+    """Logprobs [B, T] of tokens [B, T] under each model of `models`, (h, head) pairs at the same positions
+    (forward_to_head), all on the support that the first one's sampler keeps at each position: the policy's own,
+    then the reference restricted to it and renormalised there. Their KL is finite, 0 at identical weights, and k1
+    and k3 estimate it without bias on the policy's samples; it restrains the policy only inside what it samples."""
+    def fn(*logits):  # each model's logits [N, V], then the tokens [N]
+        return tuple(token_logprobs(x, logits[-1], temperature, support, support_of=logits[0])[0] for x in logits[:-1])
+    return over_logits([head for _, head in models], [h for h, _ in models], tokens, fn, chunk)
 
 
 def sampler_metrics(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor) -> dict:
@@ -317,13 +330,12 @@ def sequence_rewards(scores: torch.Tensor, process: list | None, aggregate: str,
     return scores + weight * torch.tensor([agg([p for _, p in steps]) if steps else 0.0 for steps in process])
 
 
-def shared_prefix_logprobs(policy, queries: torch.Tensor, responses: torch.Tensor, valid: torch.Tensor,
-                           pad_token_id: int, temperature: float, support: tuple = (0, 1.0, 0.0),
-                           with_entropy: bool = False, entropy_grad: bool = False, chunk: int = 0) -> tuple:
-    """token_logprobs' logprobs and entropy [B, T] of k responses per prompt, from the logits about `chunk` at a time
-    (over_logits; 0: all at once), each prompt forwarded once and its KV cache repeated k times; queries [P, Lq]
-    left-padded, responses and valid [B, T]. With no cache (checkpointed layers, or a forward that takes no cache
-    object: takes_cache) each response is forwarded with a copy of its prompt."""
+def shared_prefix_hidden(policy, queries: torch.Tensor, responses: torch.Tensor, valid: torch.Tensor,
+                         pad_token_id: int, chunk: int = 0) -> tuple:
+    """(h, head): the model's last hidden state [B, T, H] at the positions whose logits score k responses per prompt,
+    and its output layer (forward_to_head; h the logits [B, T, V] with chunk 0), each prompt forwarded once and its
+    KV cache repeated k times; queries [P, Lq] left-padded, responses and valid [B, T]. With no cache (checkpointed
+    layers, or a forward that takes no cache object: takes_cache) each response goes with a copy of its prompt."""
     k, T = responses.shape[0] // queries.shape[0], responses.shape[1]
     query_mask = ((queries != pad_token_id).cumsum(1) > 0).long()
     mask = torch.cat([query_mask.repeat_interleave(k, 0), valid.long()], 1)  # [B, Lq + T]
@@ -337,8 +349,17 @@ def shared_prefix_logprobs(policy, queries: torch.Tensor, responses: torch.Tenso
         prefix.cache.batch_repeat_interleave(k)
         _, rest, _ = forward_to_head(policy, T, chunk, input_ids=responses, attention_mask=mask,
                                      position_ids=position_ids_from(mask)[:, queries.shape[1]:], cache=prefix.cache)
-        h = torch.cat([first.repeat_interleave(k, 0), rest], 1)
-    return over_logits(head, h[:, :-1], responses,  # h [B, T + 1, H] (or the logits [B, T + 1, V])
+        h = torch.cat([first.repeat_interleave(k, 0), rest], 1)  # [B, T + 1, H] (or the logits [B, T + 1, V])
+    return h[:, :-1], head
+
+
+def shared_prefix_logprobs(policy, queries: torch.Tensor, responses: torch.Tensor, valid: torch.Tensor,
+                           pad_token_id: int, temperature: float, support: tuple = (0, 1.0, 0.0),
+                           with_entropy: bool = False, entropy_grad: bool = False, chunk: int = 0) -> tuple:
+    """token_logprobs' logprobs and entropy [B, T] of k responses per prompt (shared_prefix_hidden), from the logits
+    about `chunk` at a time (over_logits; 0: all at once)."""
+    h, head = shared_prefix_hidden(policy, queries, responses, valid, pad_token_id, chunk)
+    return over_logits([head], [h], responses,
                        lambda x, t: token_logprobs(x, t, temperature, support, with_entropy, entropy_grad), chunk)
 
 
@@ -378,18 +399,19 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
     ended = eos.any(1) if ended is None else ended.to(device).bool()  # [B] ended with EOS (or a stop string)
     in_loss = train & ended[:, None] if hp.mask_truncated_completions else train  # [B, T]
 
-    # 2. Rollout forward passes without gradients, in chunks of whole prompts, each prompt forwarded once: reference
-    # logprobs for the KL, and the policy's old logprobs when needed before the update; else (on-policy) they are the
-    # training passes' own: in one batch (fused) that pass is done here and kept, else filled in as they go.
+    # 2. Rollout forward passes without gradients, in chunks of whole prompts, each prompt forwarded once: the
+    # policy's old logprobs when needed before the update, and the reference's on the policy sampler's support
+    # (logprobs_on_support: both side by side; the policy forwarded for its support if a filter is set); else (on
+    # policy) they are the training passes' own: in one batch (fused) that pass is done here and kept, else filled in.
     on_policy = hp.num_ppo_epochs == 1 and hp.num_mini_batches == 1
     fused = on_policy and hp.gradient_accumulation_steps == 1
     need_old = not on_policy or (hp.kl_in_reward and hp.kl_coef > 0 and not fused)
+    with_policy = need_old or (hp.kl_coef > 0 and support != (0, 1.0, 0.0))
     per_chunk = max(1, hp.forward_batch_size // k)
     chunks = [(slice(p, p + per_chunk), slice(p * k, (p + per_chunk) * k)) for p in range(0, P, per_chunk)]
 
-    def logprobs_of(model) -> torch.Tensor:  # [B, T], chunk by chunk, under the sampler's filters
-        return torch.cat([shared_prefix_logprobs(model, queries[q], responses[r], valid[r], pad_token_id,
-                                                 hp.temperature, support, chunk=hp.logits_chunk)[0] for q, r in chunks])
+    def hidden(model, q, r) -> tuple:  # (h [b, T, H], output layer) at the positions that score rows r's responses
+        return shared_prefix_hidden(model, queries[q], responses[r], valid[r], pad_token_id, hp.logits_chunk)
 
     def forward(p, i) -> tuple:  # the update's forward pass, with gradients: logprobs and entropy of prompts p, rows i
         with autocast(hp.dtype, device):
@@ -398,15 +420,19 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
 
     first = forward(slice(None), slice(None)) if fused else None  # [B, T] each
     with torch.no_grad(), autocast(hp.dtype, device):
+        parts = []
+        for q, r in chunks:
+            models = [hidden(policy, q, r)] if with_policy else []
+            if hp.kl_coef > 0:
+                ref_model, ref_context = reference(policy, ref_policy)  # ref_policy None: the policy, adapters off
+                with ref_context:
+                    models.append(hidden(ref_model, q, r))
+            parts.append(logprobs_on_support(models, responses[r], hp.temperature, support, hp.logits_chunk) if models else ())
         if need_old:
-            old_logprobs = logprobs_of(policy)
+            old_logprobs = torch.cat([p[0] for p in parts])
         else:  # on-policy
             old_logprobs = first[0].detach() if fused else torch.zeros(B, T, device=device)
-        ref_logprobs = None
-        if hp.kl_coef > 0:
-            ref_model, ref_context = reference(policy, ref_policy)  # ref_policy None: the policy, adapters off
-            with ref_context:
-                ref_logprobs = logprobs_of(ref_model)  # the reference as the same sampler: 0 KL at equal weights
+        ref_logprobs = torch.cat([p[-1] for p in parts]) if hp.kl_coef > 0 else None
 
         def kl_of(logprobs: torch.Tensor, i=slice(None)) -> torch.Tensor:  # [b, T] per-token KL of rows i (0 if no KL)
             return kl_penalty(logprobs, ref_logprobs[i], estimator) if hp.kl_coef > 0 else torch.zeros_like(logprobs)
@@ -529,7 +555,7 @@ def main(args: Args) -> None:
     policy = with_lora(policy, args.memory)
     task = load_task(args.task, tokenizer, model_context(policy), gen.max_new_tokens, args.trust_remote_code, world)
     if ckpt is not None:
-        load_weights(policy, ckpt / "policy", AutoModelForCausalLM)
+        load_weights(policy, ckpt / "policy")
     place([policy, ref_policy, task.reward_model, task.prm], device, args.fsdp, world)
     lr = (1e-3 if args.model == "builtin" else 3e-6) if args.learning_rate is None else args.learning_rate
     optimizer = torch.optim.AdamW(trainable(policy), lr=lr, eps=1e-5)
@@ -790,14 +816,17 @@ def fp32_output_layer(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def token_classifier_from(lm, num_labels: int, flag: str, fix: str) -> torch.nn.Module:
+def token_classifier_from(lm, num_labels: int, flag: str, fix: str, trust_remote_code: bool = False) -> torch.nn.Module:
     """A token classifier (num_labels outputs per token: a value model, a PRM) with a causal LM's weights under a
-    fresh head; `fix` completes the one-line error when the classifier cannot take those weights."""
+    fresh head; `fix` completes the one-line error when there is no such classifier or it cannot take those weights."""
     config = copy.deepcopy(lm.config)
     config.num_labels = num_labels
-    model = AutoModelForTokenClassification.from_config(config)
-    missing = model.load_state_dict(lm.state_dict(), strict=False).missing_keys
-    if any(k.startswith(model.base_model_prefix + ".") for k in missing):
+    try:
+        model = AutoModelForTokenClassification.from_config(config, trust_remote_code=trust_remote_code)
+    except ValueError:  # no token classifier for this model's config
+        model = None
+    if model is None or any(k.startswith(model.base_model_prefix + ".") for k in model.load_state_dict(
+            lm.state_dict(), strict=False).missing_keys):
         fail(flag, lm.name_or_path, f"a token classifier cannot take this model's weights; {fix}")
     return model
 
@@ -999,13 +1028,20 @@ HEAD_APPLIES: dict[str, bool] = {}  # per model class and config: are its logits
 
 def forward_to_head(model, keep: int, chunk: int, **inputs) -> tuple:
     """The model's forward and its last `keep` positions as (output, h, head), head(h) = the logits: with chunk > 0,
-    h is its last hidden state [B, keep, H] and head its output layer (over_logits need not make [B, keep, V] whole);
-    with chunk 0, or where the logits are not that (a soft-cap; checked once per model, said once), h is the logits."""
-    head = model.get_output_embeddings()
+    h is its last hidden state [B, keep, H], the decoder's output taken by a hook (no other layer's is kept; the
+    whole model runs, with logits_to_keep=1, so that FSDP's root gathers what it owns), head its output layer
+    (over_logits need not make [B, keep, V] whole); with chunk 0, or where the logits are not that (a soft-cap;
+    checked once per model, said once), h is the logits."""
+    head, inputs = model.get_output_embeddings(), {"use_cache": "cache" in inputs, **inputs}  # a cache if asked for
     key = type(model).__name__ + model.config.to_json_string()
     if chunk > 0 and head is not None and HEAD_APPLIES.get(key, True):
-        out = model(**inputs, logits_to_keep=1, output_hidden_states=True)
-        h = out.hidden_states[-1][:, -keep:]  # [B, keep, H]
+        hidden = []
+        hook = model.get_decoder().register_forward_hook(lambda module, args, output: hidden.append(output[0]))
+        try:
+            out = model(**inputs, logits_to_keep=1)
+        finally:
+            hook.remove()
+        h = hidden[0][:, -keep:]  # [B, keep, H]
         if key not in HEAD_APPLIES:
             with torch.no_grad():
                 HEAD_APPLIES[key] = getattr(model.config, "final_logit_softcapping", None) is None and torch.allclose(
@@ -1018,17 +1054,21 @@ def forward_to_head(model, keep: int, chunk: int, **inputs) -> tuple:
     return out, out.logits[:, -keep:], torch.nn.Identity()
 
 
-def over_logits(head, h: torch.Tensor, tokens: torch.Tensor, fn: Callable, chunk: int) -> tuple:
-    """fn(head(h), tokens) for h [B, T, *], tokens [B, T] -> [B, T] tensors (or None): for an output layer, on about
-    `chunk` logits at a time, recomputed in backward (torch.utils.checkpoint) when there is more than one chunk."""
-    if isinstance(head, torch.nn.Identity):
-        return fn(h, tokens)
+def over_logits(heads: list, hs: list, tokens: torch.Tensor, fn: Callable, chunk: int) -> tuple:
+    """fn(*logits, tokens) -> [B, T] tensors (or None), each logits a head applied to its h [B, T, *] (models' states
+    at the same positions), tokens [B, T]: about `chunk` logits per model at a time, recomputed in backward
+    (torch.utils.checkpoint) when there is more than one chunk; all at once if chunk is 0 or h are logits (Identity)."""
     B, T = tokens.shape
-    flat_h, flat_tokens = h.reshape(B * T, h.shape[-1]), tokens.reshape(B * T)  # [B * T, H], [B * T]
-    rows = max(1, chunk // head.weight.shape[0])
+    whole = chunk <= 0 or any(isinstance(head, torch.nn.Identity) for head in heads)
+    rows = B * T if whole else max(1, chunk // heads[0].weight.shape[0])
     if rows >= B * T:  # one chunk holds every position: nothing to recompute, no [B, T, V] above the chunk
-        return tuple(None if out is None else out.view(B, T) for out in fn(head(flat_h), flat_tokens))
-    outs = [checkpoint(lambda x, t: fn(head(x), t), flat_h[i:i + rows], flat_tokens[i:i + rows], use_reentrant=False,
+        return fn(*(head(h) for head, h in zip(heads, hs)), tokens)
+    flat = [h.reshape(B * T, h.shape[-1]) for h in hs]  # [B * T, H] each
+
+    def piece(t: torch.Tensor, *x: torch.Tensor) -> tuple:  # fn on one chunk of positions
+        return fn(*(head(y) for head, y in zip(heads, x)), t)
+
+    outs = [checkpoint(piece, tokens.reshape(B * T)[i:i + rows], *(x[i:i + rows] for x in flat), use_reentrant=False,
                        preserve_rng_state=False) for i in range(0, B * T, rows)]
     return tuple(None if parts[0] is None else torch.cat(parts).view(B, T) for parts in zip(*outs))
 
@@ -1676,17 +1716,24 @@ def save_model(model, tokenizer, folder: Path, adapter_folder: Path, rank: int) 
         tokenizer.save_pretrained(folder)
 
 
-def load_weights(model, folder: Path, auto_cls) -> None:
-    """Load a checkpoint's weights into the model: a whole model saved by save_pretrained, or, for a model with LoRA
-    adapters, its adapters (and heads) alone. A checkpoint of the other kind stops the run with one line."""
+def load_weights(model, folder: Path) -> None:
+    """Load a checkpoint's weights into the model: its safetensors files, read straight into it (no second model, no
+    model code run), or, for a model with LoRA adapters, its adapters (and heads) alone. A checkpoint of the other
+    kind, or one that lacks a weight the model has (other than one tied to a weight it holds), stops the run."""
     lora = isinstance(model, peft.PeftModel)
     if lora != (folder / "adapter_config.json").exists():
         fail("--lora-r", 0 if not lora else model.peft_config["default"].r, f"the checkpoint {folder.parent} was "
              f"written {'without' if lora else 'with'} LoRA adapters: resume with the run's own --lora-r")
     if lora:
         peft.set_peft_model_state_dict(model, peft.utils.load_peft_weights(str(folder)))
-    else:
-        model.load_state_dict(auto_cls.from_pretrained(folder).state_dict())
+        return
+    found = model.load_state_dict({k: v for file in sorted(folder.glob("*.safetensors"))
+                                   for k, v in load_file(file).items()}, strict=False)
+    own = model.state_dict()
+    held = {own[k].data_ptr() for k in own.keys() - set(found.missing_keys)}  # save_pretrained drops tied copies
+    if found.unexpected_keys or any(own[k].data_ptr() not in held for k in found.missing_keys):
+        fail("--resume", str(folder.parent), f"its {folder.name} weights do not fit the model (unexpected "
+             f"{found.unexpected_keys[:2]}, missing {found.missing_keys[:2]}); resume with the run's own --model")
 
 
 def save_checkpoint(folder: Path, models: dict, weights: dict, tokenizer, state: dict, keep: int) -> None:
@@ -1696,7 +1743,7 @@ def save_checkpoint(folder: Path, models: dict, weights: dict, tokenizer, state:
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     for name, model in models.items():
-        model.save_pretrained(tmp / name, state_dict=weights[name])
+        model.save_pretrained(tmp / name, state_dict=weights[name], save_original_format=False)  # the live keys
     tokenizer.save_pretrained(tmp / next(iter(models)))
     torch.save(state, tmp / "state.pt")
     shutil.rmtree(folder, ignore_errors=True)

@@ -41,6 +41,7 @@ import datasets
 import peft
 import torch
 import tyro
+from safetensors.torch import load_file
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from tqdm import tqdm
 from transformers import (
@@ -322,7 +323,7 @@ def main(args: Args) -> None:
     model.train()  # from_pretrained leaves eval mode: train as the built-in model does (its dropout, checkpointing)
     model = with_lora(model, args.memory).to(device)  # --lora-r: adapters and the head train, the rest is frozen
     if ckpt is not None:
-        load_weights(model, ckpt / "model", AutoModelForTokenClassification)
+        load_weights(model, ckpt / "model")
     optimizer = torch.optim.AdamW(trainable(model), lr=lr)
 
     # ---- seeding per process (dropout differs between ranks), or the saved state of a resumed run
@@ -803,17 +804,24 @@ def set_rng_states(states: dict) -> None:
         torch.cuda.set_rng_state(states["cuda"])
 
 
-def load_weights(model, folder: Path, auto_cls) -> None:
-    """Load a checkpoint's weights into the model: a whole model saved by save_pretrained, or, for a model with LoRA
-    adapters, its adapters (and heads) alone. A checkpoint of the other kind stops the run with one line."""
+def load_weights(model, folder: Path) -> None:
+    """Load a checkpoint's weights into the model: its safetensors files, read straight into it (no second model, no
+    model code run), or, for a model with LoRA adapters, its adapters (and heads) alone. A checkpoint of the other
+    kind, or one that lacks a weight the model has (other than one tied to a weight it holds), stops the run."""
     lora = isinstance(model, peft.PeftModel)
     if lora != (folder / "adapter_config.json").exists():
         fail("--lora-r", 0 if not lora else model.peft_config["default"].r, f"the checkpoint {folder.parent} was "
              f"written {'without' if lora else 'with'} LoRA adapters: resume with the run's own --lora-r")
     if lora:
         peft.set_peft_model_state_dict(model, peft.utils.load_peft_weights(str(folder)))
-    else:
-        model.load_state_dict(auto_cls.from_pretrained(folder).state_dict())
+        return
+    found = model.load_state_dict({k: v for file in sorted(folder.glob("*.safetensors"))
+                                   for k, v in load_file(file).items()}, strict=False)
+    own = model.state_dict()
+    held = {own[k].data_ptr() for k in own.keys() - set(found.missing_keys)}  # save_pretrained drops tied copies
+    if found.unexpected_keys or any(own[k].data_ptr() not in held for k in found.missing_keys):
+        fail("--resume", str(folder.parent), f"its {folder.name} weights do not fit the model (unexpected "
+             f"{found.unexpected_keys[:2]}, missing {found.missing_keys[:2]}); resume with the run's own --model")
 
 
 def save_checkpoint(folder: Path, models: dict, weights: dict, tokenizer, state: dict, keep: int) -> None:
@@ -823,7 +831,7 @@ def save_checkpoint(folder: Path, models: dict, weights: dict, tokenizer, state:
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     for name, model in models.items():
-        model.save_pretrained(tmp / name, state_dict=weights[name])
+        model.save_pretrained(tmp / name, state_dict=weights[name], save_original_format=False)  # the live keys
     tokenizer.save_pretrained(tmp / next(iter(models)))
     torch.save(state, tmp / "state.pt")
     shutil.rmtree(folder, ignore_errors=True)

@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaForSequenceClassification, LlamaForTokenClassification
+from safetensors.torch import load_file, save_file
+from transformers import LlamaForCausalLM, LlamaForSequenceClassification, LlamaForTokenClassification
 
 import ppo
 import rloo
@@ -137,8 +138,8 @@ def test_a_reward_model_reads_the_conversation_through_its_own_chat_template(mod
 
 REMOTE_CODE = textwrap.dedent('''
     """A model class that lives in the model's folder, as on the hub: loading it runs this file."""
-    from transformers import (AutoModel, LlamaConfig, LlamaForSequenceClassification, LlamaForTokenClassification,
-                              LlamaModel)
+    from transformers import (AutoModel, LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification,
+                              LlamaForTokenClassification, LlamaModel)
 
 
     class RemoteConfig(LlamaConfig):
@@ -158,15 +159,19 @@ REMOTE_CODE = textwrap.dedent('''
 
     class RemoteForTokenClassification(LlamaForTokenClassification):
         config_class = RemoteConfig
+
+
+    class RemoteForCausalLM(LlamaForCausalLM):
+        config_class = RemoteConfig
 ''')
 
 
-def remote_code_folder(path: Path, model_cls, num_labels: int) -> Path:
-    """A tiny Llama-shaped classifier with the built-in tokenizer, whose config.json names classes in a file beside it
-    (auto_map), so that only trust_remote_code=True loads it."""
+def remote_code_folder(path: Path, model_cls, num_labels: int = 0) -> Path:
+    """A tiny Llama-shaped model (a causal LM, or a classifier of num_labels) with the built-in tokenizer, whose
+    config.json names classes in a file beside it (auto_map), so that only trust_remote_code=True loads it."""
     tokenizer = ppo.build_tokenizer()
     config = ppo.build_tiny_model(tokenizer).config
-    config.num_labels = num_labels
+    config.num_labels = num_labels or config.num_labels
     torch.manual_seed(0)
     model_cls(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -175,7 +180,8 @@ def remote_code_folder(path: Path, model_cls, num_labels: int) -> Path:
     saved.update(model_type="rlft_remote", auto_map={
         "AutoConfig": "remote_llama.RemoteConfig",
         "AutoModelForSequenceClassification": "remote_llama.RemoteForSequenceClassification",
-        "AutoModelForTokenClassification": "remote_llama.RemoteForTokenClassification"})
+        "AutoModelForTokenClassification": "remote_llama.RemoteForTokenClassification",
+        "AutoModelForCausalLM": "remote_llama.RemoteForCausalLM"})
     (path / "config.json").write_text(json.dumps(saved))
     return path
 
@@ -202,6 +208,62 @@ def test_trust_remote_code_reaches_the_reward_model_and_the_prm(script, prefix, 
     result = run_script(script, *tiny, *flags, "--trust-remote-code", "--output-dir", tmp_path / "run", env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / "run" / "model" / "config.json").exists()
+
+
+# ---- resuming reads a checkpoint's weights straight into the live model: models with their own code, models whose
+# saved names differ from their live ones (Mixtral's experts), and a weight that is missing ------------------------
+
+def mixtral_folder(path: Path) -> Path:
+    """A tiny Mixtral: transformers keeps its experts fused in the live model and saves them one by one."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    tokenizer = ppo.build_tokenizer()
+    torch.manual_seed(0)
+    MixtralForCausalLM(MixtralConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                     num_local_experts=4, num_experts_per_tok=2, pad_token_id=tokenizer.pad_token_id,
+                                     eos_token_id=tokenizer.eos_token_id)).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("script, model", [("ppo.py", "remote"), ("rloo.py", "remote"), ("rloo.py", "mixtral"),
+                                           ("stepwise_prm.py", "remote")])
+def test_a_resumed_run_of_a_model_with_its_own_code_or_renamed_weights_equals_the_run_left_alone(script, model,
+                                                                                                 tmp_path):
+    """--resume used to load each checkpoint folder with from_pretrained, without --trust-remote-code (a ValueError,
+    or a prompt in a terminal) and through a second whole model."""
+    if model == "mixtral":
+        folder, flags = mixtral_folder(tmp_path / "mixtral"), []
+    else:
+        cls = LlamaForTokenClassification if script == "stepwise_prm.py" else LlamaForCausalLM
+        folder, flags = remote_code_folder(tmp_path / "remote", cls, 2), ["--trust-remote-code"]
+    tiny = RUNS[script] if script == "stepwise_prm.py" else [
+        "--total-episodes", "32", "--batch-size", "16", "--num-mini-batches", "2", "--max-new-tokens", "4"]
+    tiny = [*tiny, "--model", folder, *flags, "--save-every", "1", "--keep-checkpoints", "0", "--eval-every", "1"]
+    if script == "stepwise_prm.py":
+        tiny += ["--total-steps", "2", "--learning-rate", "1e-3"]
+    env = {"HF_MODULES_CACHE": str(tmp_path / "modules")}
+    full = run_script(script, *tiny, "--output-dir", tmp_path / "full", env=env)
+    assert full.returncode == 0, full.stderr[-3000:]
+    (tmp_path / "resumed" / "checkpoints").mkdir(parents=True)
+    shutil.copytree(tmp_path / "full" / "checkpoints" / "iter_000001",
+                    tmp_path / "resumed" / "checkpoints" / "iter_000001")
+    resumed = run_script(script, *tiny, "--output-dir", tmp_path / "resumed", "--resume", "latest", env=env)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a, b = (load_file(tmp_path / run / "model" / "model.safetensors") for run in ("full", "resumed"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_checkpoint_missing_a_weight_that_is_not_tied_stops_the_run(tmp_path):
+    tokenizer = ppo.build_tokenizer()
+    model = ppo.build_tiny_model(tokenizer)  # its output layer is tied to its embeddings: save_pretrained drops it
+    model.save_pretrained(tmp_path / "policy")
+    ppo.load_weights(model, tmp_path / "policy")  # the tied weight may be missing
+    weights = load_file(tmp_path / "policy" / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if "layers.0.mlp" not in k}, tmp_path / "policy" / "model.safetensors")
+    with pytest.raises(SystemExit, match=r"^error: --resume .*missing \['model.layers.0.mlp"):
+        ppo.load_weights(model, tmp_path / "policy")
 
 
 # ---- checkpoints: state.pt holds plain data, read with weights_only=True (item 10); the bar between evaluations

@@ -4,6 +4,7 @@ with LoRA; and no op of ppo_step, rloo_step or sft_step (forward, rollout and ba
 size of the logits, which the whole-logits path does (so the check can fail)."""
 
 import copy
+import weakref
 
 import peft
 import pytest
@@ -149,3 +150,62 @@ def test_no_logits_sized_tensor_in_rloo_step_and_sft_step(chunk):
         assert mode.numel <= limit and saved <= limit and sft.numel <= limit
     else:
         assert mode.numel >= logits and saved >= logits and sft.numel >= logits
+
+
+class LiveBytes(TorchDispatchMode):
+    """The most bytes that tensors made by ops while the mode is on hold at once (each storage counted once, from its
+    first op output until the last tensor on it is gone); storages in `known` (weights, inputs) are not counted."""
+
+    def __init__(self, known: set[int]):
+        super().__init__()
+        self.known, self.storages, self.live, self.peak = known, {}, 0, 0
+
+    def free(self, ptr: int) -> None:
+        self.storages[ptr][0] -= 1
+        if self.storages[ptr][0] == 0:
+            self.live -= self.storages.pop(ptr)[1]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for x in out if isinstance(out, (tuple, list)) else [out]:
+            ptr = x.untyped_storage().data_ptr() if isinstance(x, torch.Tensor) else None
+            if ptr is None or ptr in self.known:
+                continue
+            if ptr not in self.storages:
+                self.storages[ptr] = [0, x.untyped_storage().nbytes()]
+                self.live += x.untyped_storage().nbytes()
+                self.peak = max(self.peak, self.live)
+            self.storages[ptr][0] += 1
+            weakref.finalize(x, self.free, ptr)
+        return out
+
+
+@pytest.mark.parametrize("script", ["ppo", "rloo"])
+def test_no_grad_logprob_passes_keep_no_state_of_every_layer(script):
+    """A model whose layers x hidden size is its vocabulary's size: the no-grad logprob pass (reference, old logprobs)
+    holds no hidden state of every layer, and no key/value cache it does not need, so its peak live bytes do not grow
+    with depth: 16 layers cost what 4 cost, within 2 hidden states [b, S, H] (with every layer's states kept, 12 more
+    layers would add 12). rloo.py's shared prefix keeps its cache (the prompts' keys and values, repeated k times, and
+    the responses'), which grows by 12 layers' keys and values."""
+    H, b, Lq, T = 256, 4, 32, 32
+    peaks = []
+    for layers in (4, 16):
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=4096, hidden_size=H, intermediate_size=H, num_hidden_layers=layers,
+                             num_attention_heads=4, num_key_value_heads=4, pad_token_id=0)
+        model = ppo.fp32_output_layer(AutoModelForCausalLM.from_config(config)).eval()
+        queries, responses = torch.randint(2, 4096, (b, Lq)), torch.randint(2, 4096, (b, T))
+        ids, mask = torch.cat([queries, responses], 1), torch.ones(b, Lq + T, dtype=torch.long)
+        known = {x.untyped_storage().data_ptr() for x in [*model.parameters(), *model.buffers(), queries, responses,
+                                                          ids, mask]}
+        mode = LiveBytes(known)
+        with torch.no_grad(), mode:
+            if script == "ppo":
+                ppo.response_logprobs(model, ids, mask, responses, 1.0, chunk=16 * 4096)
+            else:
+                rloo.shared_prefix_logprobs(model, queries[::2], responses, mask[:, Lq:].bool(), 0, 1.0,
+                                            chunk=16 * 4096)
+        peaks.append(mode.peak)
+    state = b * (Lq + T) * H * 4  # one hidden state [b, S, H] in fp32
+    cache = 0 if script == "ppo" else 12 * 2 * b * (Lq + T) * H * 4  # 12 more layers' keys and values
+    assert peaks[1] - peaks[0] <= cache + 2 * state, (peaks, state)

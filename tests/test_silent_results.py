@@ -1,11 +1,9 @@
-"""Issue 36: silent wrong results a review found. The KL under sampling filters (the policy's filtered logprobs
-against the reference's full softmax), models that go through `model.generate`, --temperature 0 and
+"""Issue 36: silent wrong results a review found. Models that go through `model.generate`, --temperature 0 and
 --learning-rate 0, the note for a sequence-level ratio with a token-weighted loss, and gpu_check.py's forward swap.
-(The min/max reductions over processes: tests/test_cli_fixes.py; samples.jsonl's order under torchrun:
-tests/test_distributed.py; the trl_rloo recipe against TRL's RLOOTrainer: tests/test_grpo_family.py.)"""
+(The min/max reductions over processes: tests/test_cli_fixes.py; the KL under sampling filters:
+tests/test_filtered_kl.py; samples.jsonl's order under torchrun: tests/test_distributed.py; the trl_rloo recipe against TRL's RLOOTrainer: tests/test_grpo_family.py.)"""
 
 import ast
-import copy
 import json
 
 import pytest
@@ -15,81 +13,6 @@ from test_generation import PastKeyValuesLM
 import ppo
 import rloo
 from conftest import ROOT, assert_one_line_error, run_main
-
-FILTERS = {"top-k 3": (3, 1.0, 0.0), "top-p 0.9": (0, 0.9, 0.0), "min-p 0.1": (0, 1.0, 0.1),
-           "all three": (3, 0.9, 0.1)}
-TEMPERATURE = 0.3  # the random tiny model's next-token distribution is nearly flat: sharpened, each filter drops tokens
-
-
-def sampled_batch(support: tuple, k: int = 4):
-    """A tiny model, its tokenizer, and k responses to each of 4 prompts sampled by the decode loop with the filters
-    of `support`, as the scripts' rollout draws them."""
-    tokenizer = ppo.build_tokenizer()
-    torch.manual_seed(0)
-    model = ppo.build_tiny_model(tokenizer)
-    queries = ppo.left_pad([tokenizer(p).input_ids for p in ("3+4=", "12+30=", "7*8=", "1-9=")],
-                           tokenizer.pad_token_id).repeat_interleave(k, 0)
-    sample, _ = ppo.generation_configs(ppo.GenArgs(max_new_tokens=8), tokenizer, TEMPERATURE, *support)
-    responses, _, _, sampler_logprobs = ppo.generate(model, tokenizer, queries, sample, [])
-    return tokenizer, model, queries, responses, sampler_logprobs
-
-
-@pytest.mark.parametrize("support", FILTERS.values(), ids=FILTERS)
-@pytest.mark.parametrize("script, estimator, in_reward", [
-    ("ppo", "k1", True), ("ppo", "k3", True),
-    ("rloo", "k1", True), ("rloo", "k3", True), ("rloo", "k2", False), ("rloo", "k3", False)])
-def test_the_kl_is_zero_at_identical_weights_with_every_filter(support, script, estimator, in_reward):
-    """The policy is its reference: every per-token KL, in the reward or in the loss, is 0 (it was 5.76 nats a
-    response for k1 with top-k 3, as the filtered logprobs were compared with the reference's full softmax)."""
-    tokenizer, model, queries, responses, sampler_logprobs = sampled_batch(support)
-    ref = copy.deepcopy(model).requires_grad_(False)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    top_k, top_p, min_p = support
-    common = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                  sampler_logprobs=sampler_logprobs)
-    if script == "ppo":
-        hp = ppo.PPOHParams(kl_estimator=estimator, temperature=TEMPERATURE, top_k=top_k, top_p=top_p, min_p=min_p,
-                            num_ppo_epochs=1)
-        config = ref.config
-        config.num_labels = 1
-        value = ppo.disable_dropout(ppo.AutoModelForTokenClassification.from_config(config))
-        metrics = ppo.ppo_step(model, value, ref, optimizer, queries, responses, torch.zeros(len(responses)),
-                               hp=hp, **common)
-    else:
-        hp = rloo.RLOOHParams(kl_estimator=estimator, kl_in_reward=in_reward, temperature=TEMPERATURE, top_k=top_k,
-                              top_p=top_p, min_p=min_p)
-        metrics = rloo.rloo_step(model, ref, optimizer, queries, responses, torch.zeros(len(responses)), hp=hp,
-                                 **common)
-        assert abs(metrics["loss/kl_avg"]) < 1e-6
-    assert abs(metrics["objective/kl"]) < 1e-6, metrics["objective/kl"]
-    assert abs(metrics["objective/non_score_reward"]) < 1e-6
-    # the ratios still use the sampler's distribution (on-policy): its logprobs, not the full softmax's
-    assert metrics["sampling/sampling_logp_difference/max"] < 1e-4
-
-
-def test_the_reference_is_scored_as_the_same_sampler():
-    """Away from identical weights, both sides of the KL take the sampler's filters, each model on its own logits:
-    rloo_step's objective/kl is the summed k1 of the two filtered logprobs, not of the policy's filtered logprobs
-    against the reference's full softmax (the former code)."""
-    tokenizer, model, queries, responses, sampler_logprobs = sampled_batch((3, 1.0, 0.0))
-    ref = copy.deepcopy(model).requires_grad_(False)
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
-    valid = rloo.response_valid_mask(responses, pad, eos)
-    with torch.no_grad():
-        def logprobs(m, support):
-            return rloo.shared_prefix_logprobs(m, queries[::4], responses, valid, pad, TEMPERATURE, support)[0]
-
-        policy_lp, ref_lp = logprobs(model, (3, 1.0, 0.0)), logprobs(ref, (3, 1.0, 0.0))
-        ref_full = logprobs(ref, (0, 1.0, 0.0))
-    hp = rloo.RLOOHParams(top_k=3, temperature=TEMPERATURE)
-    metrics = rloo.rloo_step(model, ref, torch.optim.SGD(model.parameters(), lr=0.0), queries, responses,
-                             torch.zeros(len(responses)), hp=hp, pad_token_id=pad, eos_token_id=eos)
-    expected = ((policy_lp - ref_lp) * valid).sum(1).mean().item()
-    assert metrics["objective/kl"] == pytest.approx(expected, abs=1e-5)
-    assert abs(((policy_lp - ref_full) * valid).sum(1).mean().item() - expected) > 0.1
 
 
 def test_shared_prefix_logprobs_of_a_model_without_a_cache_object_see_the_prompt():
