@@ -156,6 +156,8 @@ class Args:
     """steps in all, over all phases"""
     anneal_lr: bool = True
     """decay every phase's learning rate linearly to 0 over --total-steps"""
+    weight_decay: float = 0.0
+    """AdamW's decoupled weight decay of every weight but biases and normalisation weights (as transformers' Trainer)"""
     shared_optimizer: bool = True
     """one AdamW for the policy across phases (each step uses its phase's learning rate); else one per phase"""
     eval_every: int = 25
@@ -246,7 +248,7 @@ def sft_step(policy, optimizer, input_ids: torch.Tensor, attention_mask: torch.T
                                      attention_mask=attention_mask)  # h [B, L, H], or the logits [B, L, V]
     targets, mask = labels[:, 1:], labels[:, 1:] != -100  # [B, L-1]
     n = ppo.global_sum(mask.sum().float()).clamp(min=1) / ppo.world_size()
-    losses, hits = ppo.over_logits([head], [h[:, :-1]], targets.clamp(min=0), lambda x, t: (  # [B, L-1]: loss, argmax hit
+    losses, hits = ppo.over_logits([head], [h[:, :-1]], targets.clamp(min=0), lambda x, t: (  # [B, L-1] each: loss, hit
         -ppo.token_logprobs(x, t, 1.0)[0], (x.argmax(-1) == t).float()), logits_chunk)
     loss = (losses * mask).sum() / n
     loss.backward()  # even when not finite: every process runs the same collectives
@@ -298,7 +300,7 @@ def main(args: Args) -> None:
 
     # ---- optimizers: the policy's (shared, or one per phase) and the PRM's own
     def adamw(*mods):  # AdamW over the modules' parameters (each step sets its phase's learning rate)
-        return torch.optim.AdamW(ppo.trainable(*mods), lr=1e-3, eps=1e-5)
+        return ppo.adamw(list(mods), 1e-3, args.weight_decay)
 
     defaults = DEFAULT_LR_BUILTIN if args.model == "builtin" else DEFAULT_LR_PRETRAINED
     lrs = {p: defaults[p] if (lr := getattr(args, p).turn.learning_rate) is None else lr for p in args.phases}

@@ -57,12 +57,12 @@ from transformers import (
     StoppingCriteriaList,
 )
 from transformers.cache_utils import DynamicCache, StaticCache, StaticLayer
+from transformers.trainer_pt_utils import get_parameter_names
 
 
 @dataclass
 class RLOOHParams:
-    """The hyperparameters of one RLOO update (`rloo_step`). baseline to importance_sampling_level are the switches of
-    the GRPO family, named and meant as in TRL's GRPOConfig; their defaults are RLOO (see RECIPES)."""
+    """One RLOO update's hyperparameters (rloo_step); the GRPO family's switches as TRL's GRPOConfig names them."""
 
     rloo_k: int = 4
     """samples per prompt (a group; TRL's num_generations)"""
@@ -78,8 +78,7 @@ class RLOOHParams:
     kl_coef: float = 0.05
     """weight of the KL penalty (TRL's beta)"""
     kl_estimator: Literal["auto", "k1", "k2", "k3"] = "auto"
-    """per-token KL estimate (see kl_penalty): k1 or k3 in the reward (unbiased values), k2 or k3 in the loss (the
-    gradients of KL(policy || ref) and of KL(ref || policy)); k1's gradient is 0, so not there. auto: k1, k2"""
+    """per-token KL (kl_penalty): k1 or k3 in the reward, k2 or k3 in the loss (k1 has no gradient); auto: k1, k2"""
     kl_in_reward: bool = True
     """fold the KL penalty into the sequence reward (RLOO); else add kl_coef x the per-token KL to the losses (GRPO)"""
     cliprange: float = 0.2
@@ -147,6 +146,8 @@ class Args:
     """responses per iteration over all processes: batch_size / rloo_k prompts, rloo_k samples each"""
     learning_rate: float | None = None
     """AdamW learning rate (None: 1e-3 for the built-in model, 3e-6 for any other; 0 trains nothing)"""
+    weight_decay: float = 0.0
+    """AdamW's decoupled weight decay of every weight but biases and normalisation weights (as transformers' Trainer)"""
     anneal_lr: bool = True
     """decay the learning rate linearly to 0"""
     eval_every: int = 25
@@ -218,12 +219,10 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token KL estimate of policy from reference at sampled tokens, with r = ref - logp (Schulman, "Approximating
-    KL Divergence"): k1 = logp - ref, k2 = r^2 / 2, k3 = exp(r) - 1 - r. As a value (a penalty in the reward), k1
-    and k3 estimate KL(pi || ref) without bias. As a loss term, only the expected gradient counts: k1's is 0 (no
-    penalty); k2's is, token by token, the gradient of KL(pi || ref) of the next-token distributions at the sampled
-    prefix, k3's that of KL(ref || pi), the other direction. Summed over a response of T > 1 tokens, that is not the
-    gradient of the responses' KL: it leaves out how earlier tokens change the prefixes later tokens are drawn at."""
+    """Per-token KL estimate at sampled tokens, r = ref - logp (Schulman, "Approximating KL Divergence"): k1 = -r,
+    k2 = r^2 / 2, k3 = exp(r) - 1 - r. As values (in the reward) k1 and k3 estimate KL(pi || ref) without bias; as
+    loss terms only their expected gradients count: k1's is 0, k2's that of KL(pi || ref) of each token's next-token
+    distribution, k3's that of KL(ref || pi) (summed over a response, not the responses' KL: prefixes are held)."""
     if estimator == "k1":
         return logprobs - ref_logprobs
     r = ref_logprobs - logprobs
@@ -235,11 +234,11 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, support: tuple = (0, 1.0, 0.0),
-                   with_entropy: bool = False, entropy_grad: bool = False, support_of: torch.Tensor | None = None) -> tuple:
+                   with_entropy: bool = False, entropy_grad: bool = False, support_of: torch.Tensor | None = None
+                   ) -> tuple:
     """Logprobs [B, T] of tokens [B, T] under logits [B, T, V] (or [N], [N, V]) as the sampler drew them: divided by
-    the temperature and, with support = (top_k, top_p, min_p) set, renormalised over the tokens those filters keep
-    (filter_logits; each sampled token stays inside) on these logits, or on `support_of`, the sampler's (the policy's,
-    for the reference: logprobs_on_support); and that distribution's entropy, differentiable only if entropy_grad."""
+    the temperature, renormalised over the support the filters (top_k, top_p, min_p) keep on them or on `support_of`
+    (filter_logits; each sampled token stays inside); and that entropy, differentiable only if entropy_grad."""
     logits = logits.float() / temperature  # [B, T, V] (or a chunk [N, V] from over_logits)
     if tuple(support) != (0, 1.0, 0.0):
         sampler = (logits if support_of is None else support_of.float() / temperature).detach()
@@ -253,21 +252,9 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
         return logprobs, lse - (logits.softmax(-1) * kept).sum(-1)
 
 
-def logprobs_on_support(models: list[tuple], tokens: torch.Tensor, temperature: float, support: tuple,
-                        chunk: int) -> tuple:
-    """Logprobs [B, T] of tokens [B, T] under each model of `models`, (h, head) pairs at the same positions
-    (forward_to_head), all on the support that the first one's sampler keeps at each position: the policy's own,
-    then the reference restricted to it and renormalised there. Their KL is finite, 0 at identical weights, and k1
-    and k3 estimate it without bias on the policy's samples; it restrains the policy only inside what it samples."""
-    def fn(*logits):  # each model's logits [N, V], then the tokens [N]
-        return tuple(token_logprobs(x, logits[-1], temperature, support, support_of=logits[0])[0] for x in logits[:-1])
-    return over_logits([head for _, head in models], [h for h, _ in models], tokens, fn, chunk)
-
-
 def sampler_metrics(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor) -> dict:
     """The sampler's logprobs [B, T] of the trained tokens (mask [B, T]) against the trainer's old ones, as TRL logs
-    them: |old - sampler|'s mean and max, exp(old - sampler)'s min, mean and max. At equal weights, float noise: the
-    decode loop's one-token forwards round otherwise than the update's whole-sequence forward (more so in bf16)."""
+    them: |old - sampler|'s mean and max, exp(old - sampler)'s min, mean and max (float noise at equal weights)."""
     diff = (old_logprobs - sampler_logprobs)[mask] if mask.any() else torch.zeros(1, device=mask.device)  # [N]
     ratio = diff.exp()
     return {"sampling/sampling_logp_difference/mean": diff.abs().mean().item(),
@@ -276,8 +263,7 @@ def sampler_metrics(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, 
 
 
 def kl_estimator_for(hp: RLOOHParams) -> str:
-    """The estimator rloo_step uses where hp puts the KL ('auto': k1 in the reward, k2 in the loss); a ValueError,
-    whose text says why and what to use instead, for k2 in the reward and for k1 in the loss."""
+    """The estimator where hp puts the KL ('auto': k1 in the reward, k2 in the loss); ValueError for k2 or k1 there."""
     if hp.kl_estimator == "auto":
         return "k1" if hp.kl_in_reward else "k2"
     if hp.kl_in_reward and hp.kl_estimator == "k2":
@@ -307,10 +293,9 @@ def group_advantages(rewards: torch.Tensor, k: int, baseline: str, scale: str) -
 
 def aggregate_loss(losses: torch.Tensor, mask: torch.Tensor, loss_type: str, tokens: torch.Tensor,
                    accumulation: int, max_completion_length: int) -> torch.Tensor:
-    """One micro-batch's loss from per-token losses [b, T] on mask [b, T], as TRL's loss_type. dapo: the token sum
-    over `tokens`, the mini-batch's tokens on all processes / processes (every token weighs the same). The others as
-    TRL computes them per micro-batch, then / the accumulation steps: bnpo, over the micro-batch's tokens; grpo, each
-    response's token mean, then their mean (a short response's tokens weigh more); dr_grpo, / (responses x max_len)."""
+    """One micro-batch's loss from token losses [b, T] on mask [b, T], as TRL's loss_type. dapo: the token sum over
+    `tokens` (the mini-batch's on all processes / processes: every token weighs the same). The others per micro-batch,
+    / the accumulation steps: bnpo, over its tokens; grpo, the mean of response means; dr_grpo, / (responses x max)."""
     if loss_type == "dapo":
         return (losses * mask).sum() / tokens
     if loss_type == "bnpo":
@@ -332,10 +317,9 @@ def sequence_rewards(scores: torch.Tensor, process: list | None, aggregate: str,
 
 def shared_prefix_hidden(policy, queries: torch.Tensor, responses: torch.Tensor, valid: torch.Tensor,
                          pad_token_id: int, chunk: int = 0) -> tuple:
-    """(h, head): the model's last hidden state [B, T, H] at the positions whose logits score k responses per prompt,
-    and its output layer (forward_to_head; h the logits [B, T, V] with chunk 0), each prompt forwarded once and its
-    KV cache repeated k times; queries [P, Lq] left-padded, responses and valid [B, T]. With no cache (checkpointed
-    layers, or a forward that takes no cache object: takes_cache) each response goes with a copy of its prompt."""
+    """(h [B, T, H], the output layer) where the logits score k responses per prompt (forward_to_head), each prompt
+    forwarded once, its KV cache repeated k times; queries [P, Lq] left-padded, responses and valid [B, T]. With no
+    cache (checkpointed layers, or no cache object: takes_cache) each response goes with a copy of its prompt."""
     k, T = responses.shape[0] // queries.shape[0], responses.shape[1]
     query_mask = ((queries != pad_token_id).cumsum(1) > 0).long()
     mask = torch.cat([query_mask.repeat_interleave(k, 0), valid.long()], 1)  # [B, Lq + T]
@@ -356,8 +340,7 @@ def shared_prefix_hidden(policy, queries: torch.Tensor, responses: torch.Tensor,
 def shared_prefix_logprobs(policy, queries: torch.Tensor, responses: torch.Tensor, valid: torch.Tensor,
                            pad_token_id: int, temperature: float, support: tuple = (0, 1.0, 0.0),
                            with_entropy: bool = False, entropy_grad: bool = False, chunk: int = 0) -> tuple:
-    """token_logprobs' logprobs and entropy [B, T] of k responses per prompt (shared_prefix_hidden), from the logits
-    about `chunk` at a time (over_logits; 0: all at once)."""
+    """token_logprobs' logprobs and entropy [B, T] of k responses per prompt (shared_prefix_hidden, over_logits)."""
     h, head = shared_prefix_hidden(policy, queries, responses, valid, pad_token_id, chunk)
     return over_logits([head], [h], responses,
                        lambda x, t: token_logprobs(x, t, temperature, support, with_entropy, entropy_grad), chunk)
@@ -368,11 +351,10 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
               sampler_logprobs: torch.Tensor | None = None, ended: torch.Tensor | None = None) -> dict[str, float]:
     """One RLOO (or GRPO-family) update on finished episodes, k = hp.rloo_k per prompt: [p0s0, p0s1, ..., p1s0, ...].
 
-    queries [B, Lq] (or [B / k, Lq], one per prompt) left-padded prompt ids; responses [B, T] right-padded ids (a
-    response ends after its first EOS); rewards [B] or [B, T] (per-token, summed per response, padding included);
-    masks [B, T], 0 on tokens not to train on (tool output: no gradient, no KL). Optional: sampler_logprobs [B, T]
-    (logged, and for hp.sampler_correction_cap); ended [B] bool, the responses that ended with EOS or a stop string
-    (None: those whose last token is EOS). ref_policy None: the policy, LoRA adapters off. No dropout (ValueError)."""
+    queries [B, Lq] (or [B / k, Lq]) left-padded prompt ids; responses [B, T] right-padded ids (ending after their
+    first EOS); rewards [B] or [B, T] (summed per response, padding included); masks [B, T], 0 on tokens not to train
+    on (tool output). Optional: sampler_logprobs [B, T] (logged; hp.sampler_correction_cap); ended [B], the responses
+    that ended with EOS or a stop string (None: last token EOS). ref_policy None: adapters off. No dropout."""
     (B, T), k = responses.shape, hp.rloo_k
     if k < 2 or B % k:
         raise ValueError(f"a batch of {B} responses does not hold whole groups of rloo_k = {k} (k must be >= 2)")
@@ -399,19 +381,15 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
     ended = eos.any(1) if ended is None else ended.to(device).bool()  # [B] ended with EOS (or a stop string)
     in_loss = train & ended[:, None] if hp.mask_truncated_completions else train  # [B, T]
 
-    # 2. Rollout forward passes without gradients, in chunks of whole prompts, each prompt forwarded once: the
-    # policy's old logprobs when needed before the update, and the reference's on the policy sampler's support
-    # (logprobs_on_support: both side by side; the policy forwarded for its support if a filter is set); else (on
-    # policy) they are the training passes' own: in one batch (fused) that pass is done here and kept, else filled in.
+    # 2. Rollout forward passes without gradients, in chunks of whole prompts: the policy's old logprobs if needed
+    # before the update (on-policy: the training passes' own; in one batch that pass runs here), the reference's on
+    # the policy sampler's support (logprobs_on_support; with a filter the policy runs here for its support).
     on_policy = hp.num_ppo_epochs == 1 and hp.num_mini_batches == 1
     fused = on_policy and hp.gradient_accumulation_steps == 1
     need_old = not on_policy or (hp.kl_in_reward and hp.kl_coef > 0 and not fused)
     with_policy = need_old or (hp.kl_coef > 0 and support != (0, 1.0, 0.0))
     per_chunk = max(1, hp.forward_batch_size // k)
     chunks = [(slice(p, p + per_chunk), slice(p * k, (p + per_chunk) * k)) for p in range(0, P, per_chunk)]
-
-    def hidden(model, q, r) -> tuple:  # (h [b, T, H], output layer) at the positions that score rows r's responses
-        return shared_prefix_hidden(model, queries[q], responses[r], valid[r], pad_token_id, hp.logits_chunk)
 
     def forward(p, i) -> tuple:  # the update's forward pass, with gradients: logprobs and entropy of prompts p, rows i
         with autocast(hp.dtype, device):
@@ -421,13 +399,15 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
     first = forward(slice(None), slice(None)) if fused else None  # [B, T] each
     with torch.no_grad(), autocast(hp.dtype, device):
         parts = []
-        for q, r in chunks:
-            models = [hidden(policy, q, r)] if with_policy else []
+        for q, r in chunks if with_policy or hp.kl_coef > 0 else []:  # models' (h [b, T, H], output layer)
+            hidden = functools.partial(shared_prefix_hidden, queries=queries[q], responses=responses[r], valid=valid[r],
+                                       pad_token_id=pad_token_id, chunk=hp.logits_chunk)
+            models = [hidden(policy)] if with_policy else []
             if hp.kl_coef > 0:
                 ref_model, ref_context = reference(policy, ref_policy)  # ref_policy None: the policy, adapters off
                 with ref_context:
-                    models.append(hidden(ref_model, q, r))
-            parts.append(logprobs_on_support(models, responses[r], hp.temperature, support, hp.logits_chunk) if models else ())
+                    models.append(hidden(ref_model))
+            parts.append(logprobs_on_support(models, responses[r], hp.temperature, support, hp.logits_chunk))
         if need_old:
             old_logprobs = torch.cat([p[0] for p in parts])
         else:  # on-policy
@@ -558,7 +538,7 @@ def main(args: Args) -> None:
         load_weights(policy, ckpt / "policy")
     place([policy, ref_policy, task.reward_model, task.prm], device, args.fsdp, world)
     lr = (1e-3 if args.model == "builtin" else 3e-6) if args.learning_rate is None else args.learning_rate
-    optimizer = torch.optim.AdamW(trainable(policy), lr=lr, eps=1e-5)
+    optimizer = adamw([policy], lr, args.weight_decay)
 
     state, start = resume_state(ckpt, optimizer, args.seed, rank, run_name)
     sample, greedy = generation_configs(gen, tokenizer, hp.temperature, hp.top_k, hp.top_p, hp.min_p)
@@ -574,7 +554,8 @@ def main(args: Args) -> None:
     t0 = time.time() - state["elapsed"]
     for iteration in progress:
         # 8. Rollout: anneal the lr, this process's share of the prompts, k samples each, rewards; DAPO's rounds.
-        optimizer.param_groups[0]["lr"] = lr * (1 - (iteration - 1) / num_iterations) if args.anneal_lr else lr
+        for group in optimizer.param_groups:
+            group["lr"] = lr * (1 - (iteration - 1) / num_iterations) if args.anneal_lr else lr
         kept, aside, rounds = [], [], 0
         while rounds == 0 or (args.dynamic_sampling and rounds < args.max_sampling_rounds and global_sum(
                 torch.tensor(float(len(kept) < local_prompts), device=device)) > 0):
@@ -665,8 +646,7 @@ def addition_eval_rows() -> list[dict]:
 
 
 def addition_reward(prompts, completions, completion_ids, answer, tokenizer, **kwargs) -> list[float]:
-    """1.0 for the exact answer followed by EOS; else partial credit: 0.5 x the fraction of the answer's digits in
-    place. From random init a 0/1 reward gives almost no signal; this one learns (see docs/ppo.md)."""
+    """1.0 for the answer and EOS, else 0.5 x the share of its digits in place (0/1 gives random init no signal)."""
     return [1.0 if list(ids) == tokenizer(ans, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
             else 0.5 * sum(c == a for c, a in zip(text, ans)) / len(ans)
             for text, ids, ans in zip(completions, completion_ids, answer)]
@@ -683,8 +663,7 @@ class GenArgs:
     max_new_tokens: int | None = None
     """most tokens per response (None: 4 for the built-in task, 64 otherwise)"""
     min_new_tokens: int = 0
-    """fewest tokens per response: EOS cannot end it sooner (off-policy, like --repetition-penalty: it changes what
-    is sampled, while the update's logprobs do not see it)"""
+    """fewest tokens per response, EOS banned before (off-policy, as --repetition-penalty: the logprobs ignore it)"""
     repetition_penalty: float = 1.0
     """repetition penalty (1.0: off; off-policy, see --min-new-tokens)"""
     stop_strings: list[str] = field(default_factory=list)
@@ -693,8 +672,7 @@ class GenArgs:
 
 @dataclass
 class TaskArgs:
-    """Where prompts come from and how responses are scored; with no prompt source, the built-in task's prompts (and,
-    with no reward either, its reward)."""
+    """Where prompts come from and how responses are scored (neither given: the built-in task's prompts and reward)."""
 
     dataset: str | None = None
     """prompt source: a hub dataset id, or a local json/jsonl/parquet/csv file or folder"""
@@ -723,6 +701,9 @@ class TaskArgs:
     """an evaluation completion counts towards task/accuracy (and pass@k, maj@N) when its score reaches this"""
     eval_num_samples: int = 0
     """sampled completions per evaluation prompt besides the greedy one, for eval/pass@k and eval/maj@N (0: off)"""
+    answer_fn: str | None = None
+    """eval/maj@N's vote: fn(completion text) -> its answer, or None (module:function or path/file.py:function; the
+    built-in task's: the text itself); without one, maj@N is not logged"""
     prm_model: str | None = None
     """a process reward model (two-label token classifier, e.g. from stepwise_prm.py) that rewards each step"""
     prm_weight: float = 1.0
@@ -734,8 +715,7 @@ class TaskArgs:
 
 @dataclass
 class MemoryArgs:
-    """Less memory: LoRA adapters (the peft library), of which only they train (and a value model's head), the
-    reference being the policy with its adapters off (no copy); and activation checkpointing."""
+    """Less memory: LoRA adapters (peft; only they and a classifier's head train; the reference: adapters off)."""
 
     lora_r: int = 0
     """rank of the adapters (0: off, every weight trains)"""
@@ -746,8 +726,7 @@ class MemoryArgs:
     lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
     """modules that get adapters, by name ('all-linear': every linear layer but the output layer and heads)"""
     gradient_checkpointing: bool = False
-    """recompute each layer's activations in the backward pass instead of keeping them (transformers' own
-    checkpointing, for the training forward passes): less memory, more compute"""
+    """recompute each layer's activations in the training passes' backward (transformers'): less memory, more compute"""
 
 
 def fail(flag: str, value: Any, fix: str) -> NoReturn:
@@ -756,8 +735,7 @@ def fail(flag: str, value: Any, fix: str) -> NoReturn:
 
 
 def load_callable(spec: str, flag: str) -> Callable:
-    """Import 'module:function' (pkgutil.resolve_name; the current folder is on the path), or run
-    'path/to/file.py' as a module (runpy) and take its function."""
+    """'module:function' imported (the current folder on the path), or 'path/to/file.py:function' run (runpy)."""
     target, _, name = spec.rpartition(":")
     if not target or not name:
         fail(flag, spec, "write it as module:function or path/to/file.py:function")
@@ -804,9 +782,8 @@ def load_policy(name: str, trust_remote_code: bool) -> tuple:
 
 
 def fp32_output_layer(model: torch.nn.Module) -> torch.nn.Module:
-    """Make the model's output layer (lm_head) compute in fp32 under bf16 autocast too. In bf16 logits of 10 are off
-    by up to 0.03, and so are the logprobs whose differences make the ratios and the KL (MiniMax-M1, arXiv:2506.13585).
-    The one forward replaced at run time, on every device alike: autocast has no per-layer dtype."""
+    """The output layer computes in fp32 under bf16 autocast too: bf16 logits of 10 are off by up to 0.03, and so the
+    ratios and the KL (MiniMax-M1, arXiv:2506.13585). The one forward replaced: autocast has no per-layer dtype."""
     def forward(head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         with torch.autocast(hidden.device.type, enabled=False):
             return type(head).forward(head, hidden.float())
@@ -816,25 +793,21 @@ def fp32_output_layer(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def token_classifier_from(lm, num_labels: int, flag: str, fix: str, trust_remote_code: bool = False) -> torch.nn.Module:
+def token_classifier_from(lm, num_labels: int, flag: str, fix: str, trust_remote_code: bool = False) -> Any:
     """A token classifier (num_labels outputs per token: a value model, a PRM) with a causal LM's weights under a
-    fresh head; `fix` completes the one-line error when there is no such classifier or it cannot take those weights."""
+    fresh head; `fix` completes the one-line error when the classifier cannot take those weights."""
     config = copy.deepcopy(lm.config)
     config.num_labels = num_labels
-    try:
-        model = AutoModelForTokenClassification.from_config(config, trust_remote_code=trust_remote_code)
-    except ValueError:  # no token classifier for this model's config
-        model = None
-    if model is None or any(k.startswith(model.base_model_prefix + ".") for k in model.load_state_dict(
-            lm.state_dict(), strict=False).missing_keys):
+    model = AutoModelForTokenClassification.from_config(config, trust_remote_code=trust_remote_code)
+    missing = model.load_state_dict(lm.state_dict(), strict=False).missing_keys
+    if any(k.startswith(model.base_model_prefix + ".") for k in missing):
         fail(flag, lm.name_or_path, f"a token classifier cannot take this model's weights; {fix}")
     return model
 
 
 def with_lora(model, lora: MemoryArgs) -> torch.nn.Module:
-    """The model with fresh LoRA adapters (peft) when --lora-r > 0: they and a token classifier's head train, every
-    other weight is frozen; as it is with --lora-r 0. With --gradient-checkpointing, its layers recompute activations
-    in the backward pass (generation keeps its cache), in training mode only: the model is put in it."""
+    """The model with fresh LoRA adapters (peft) if --lora-r > 0, they and a classifier's head trained, the rest frozen;
+    with --gradient-checkpointing, its layers recompute activations in backward (in training mode: set here)."""
     if lora.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
@@ -857,9 +830,15 @@ def with_lora(model, lora: MemoryArgs) -> torch.nn.Module:
              "modules the model has (e.g. q_proj v_proj), or all-linear")
 
 
-def trainable(*models: torch.nn.Module) -> list[torch.nn.Parameter]:
-    """The parameters the optimizer takes: all of them, or with LoRA the adapters' (and a value model's head)."""
-    return [p for model in models for p in model.parameters() if p.requires_grad]
+def adamw(models: list, lr: float, weight_decay: float, eps: float = 1e-5) -> torch.optim.AdamW:
+    """AdamW over the models' parameters that train (all, or with LoRA the adapters and a classifier's head), decayed
+    as transformers' Trainer decays them: every one but biases and normalisation weights (with no decay, one group)."""
+    named = [(f"{i}.{n}", p) for i, m in enumerate(models) for n, p in m.named_parameters() if p.requires_grad]
+    decay = {f"{i}.{n}" for i, m in enumerate(models) for n in get_parameter_names(m, [torch.nn.LayerNorm], [
+        r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"])}  # Trainer's patterns
+    groups = [{"params": [p for n, p in named if n in decay], "weight_decay": weight_decay},
+              {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups if weight_decay else [p for _, p in named], lr=lr, eps=eps, weight_decay=0.0)
 
 
 def model_context(model) -> int:
@@ -868,8 +847,7 @@ def model_context(model) -> int:
 
 
 def check_task(task: TaskArgs) -> bool:
-    """Validate a task's flags before anything is loaded; True when its prompts are the built-in task's (no --dataset
-    or --prompt-fn: a reward of your own then scores the built-in sums, whose rows carry their 'answer')."""
+    """Validate a task's flags before loading; True if its prompts are the built-in sums (no source given)."""
     has_prompts = bool(task.dataset or task.prompt_fn)
     has_reward = bool(task.reward_fn or task.reward_model or task.prm_model)
     if task.dataset and task.prompt_fn:
@@ -880,6 +858,8 @@ def check_task(task: TaskArgs) -> bool:
         fail("--reward-weights", task.reward_weights, f"give one weight per --reward-fn ({len(task.reward_fn)})")
     if task.eval_num_samples < 0:
         fail("--eval-num-samples", task.eval_num_samples, "give how many sampled completions per prompt (0: off)")
+    if task.eval_num_samples and has_prompts and not task.answer_fn and os.environ.get("RANK", "0") == "0":
+        print("note: no --answer-fn, so eval/maj@N is not logged (the vote needs each completion's answer)")
     return not has_prompts
 
 
@@ -902,8 +882,7 @@ def load_prompt_dataset(path: str, split: str, column: str) -> datasets.Dataset:
 
 
 def check_rows(rows: list, spec: str | None) -> list[dict]:
-    """Rows from a prompt function: each a dict with a 'prompt', all with the same keys (each key other than
-    'prompt' becomes a column that the reward functions receive, one value per row)."""
+    """Rows from a prompt function: dicts with a 'prompt', all with the same keys (the others: reward fns' columns)."""
     for row in rows:
         if not isinstance(row, dict) or "prompt" not in row:
             fail("--prompt-fn", spec, f"returned {str(row)[:60]!r}; return a dict with a 'prompt' key (and any extra "
@@ -926,9 +905,8 @@ def render_prompt(tokenizer, prompt: str | list) -> list[int]:
 
 @dataclass
 class Task:
-    """A loaded task (load_task): its flags, the prompt source (a function fn(rng) -> row, or a dataset of rows), the
-    fixed evaluation rows, each reward function's (spec, function) and weight, the reward model (a sequence classifier)
-    and the process reward model (a two-label token classifier) with their tokenizers, and the policy's context."""
+    """A loaded task (load_task): flags, prompt source (fn(rng) -> row, or a dataset), evaluation rows, reward functions
+    (spec, fn) and weights, reward model and PRM with their tokenizers, the policy's context, the answer function."""
 
     args: TaskArgs
     source: Callable | datasets.Dataset
@@ -940,6 +918,7 @@ class Task:
     prm: Any = None
     prm_tokenizer: Any = None
     context: int = 10**9
+    answer_fn: Callable | None = None
 
 
 def load_task(task: TaskArgs, tokenizer, context: int, max_new_tokens: int, trust_remote_code: bool = False,
@@ -982,14 +961,15 @@ def load_task(task: TaskArgs, tokenizer, context: int, max_new_tokens: int, trus
                                        trust_remote_code, num_labels=1).eval().requires_grad_(False)
         rm_tokenizer.pad_token = rm_tokenizer.pad_token or rm_tokenizer.eos_token
         reward_model.config.pad_token_id = rm_tokenizer.pad_token_id
+    answer_fn = load_callable(task.answer_fn, "--answer-fn") if task.answer_fn else None
+    answer_fn = answer_fn or (str.strip if source is addition_prompt else None)  # a sum's answer: its text
     return Task(task, source, eval_rows, reward_fns, task.reward_weights or [1.0] * len(reward_fns), reward_model,
-                rm_tokenizer, prm, prm_tokenizer, context)
+                rm_tokenizer, prm, prm_tokenizer, context, answer_fn)
 
 
 def draw_rows(task: Task, state: dict, n: int, seed: int) -> list[dict]:
-    """The next n prompt rows: a dataset is walked in a fresh seeded order each epoch; a prompt function is called
-    with a random.Random whose state (getstate()'s tuple) `state` keeps. `state` is all the position there is, and
-    goes into checkpoints as plain data (what torch.load(weights_only=True) reads)."""
+    """The next n prompt rows: a dataset walked in a fresh seeded order each epoch, or a prompt function called with a
+    random.Random; `state` keeps the position (or the generator's state) as plain data, for checkpoints."""
     source = task.source
     if callable(source):
         rng = random.Random()
@@ -1027,20 +1007,16 @@ HEAD_APPLIES: dict[str, bool] = {}  # per model class and config: are its logits
 
 
 def forward_to_head(model, keep: int, chunk: int, **inputs) -> tuple:
-    """The model's forward and its last `keep` positions as (output, h, head), head(h) = the logits: with chunk > 0,
-    h is its last hidden state [B, keep, H], the decoder's output taken by a hook (no other layer's is kept; the
-    whole model runs, with logits_to_keep=1, so that FSDP's root gathers what it owns), head its output layer
-    (over_logits need not make [B, keep, V] whole); with chunk 0, or where the logits are not that (a soft-cap;
-    checked once per model, said once), h is the logits."""
+    """The model's forward and its last `keep` positions as (output, h, head), head(h) the logits: with chunk > 0, h is
+    the decoder's output [B, keep, H] (a hook; no other layer's is kept, and the whole model runs so that FSDP's root
+    gathers its weights) and head the output layer; with chunk 0, or logits that are not that (a soft-cap; checked
+    once per model, said once), h is the logits. No key/value cache is made unless one is passed or asked for."""
     head, inputs = model.get_output_embeddings(), {"use_cache": "cache" in inputs, **inputs}  # a cache if asked for
     key = type(model).__name__ + model.config.to_json_string()
     if chunk > 0 and head is not None and HEAD_APPLIES.get(key, True):
-        hidden = []
-        hook = model.get_decoder().register_forward_hook(lambda module, args, output: hidden.append(output[0]))
-        try:
+        hidden = []  # the decoder's output, from a hook removed when the forward ends
+        with model.get_decoder().register_forward_hook(lambda module, args, output: hidden.append(output[0])):
             out = model(**inputs, logits_to_keep=1)
-        finally:
-            hook.remove()
         h = hidden[0][:, -keep:]  # [B, keep, H]
         if key not in HEAD_APPLIES:
             with torch.no_grad():
@@ -1055,22 +1031,27 @@ def forward_to_head(model, keep: int, chunk: int, **inputs) -> tuple:
 
 
 def over_logits(heads: list, hs: list, tokens: torch.Tensor, fn: Callable, chunk: int) -> tuple:
-    """fn(*logits, tokens) -> [B, T] tensors (or None), each logits a head applied to its h [B, T, *] (models' states
-    at the same positions), tokens [B, T]: about `chunk` logits per model at a time, recomputed in backward
-    (torch.utils.checkpoint) when there is more than one chunk; all at once if chunk is 0 or h are logits (Identity)."""
+    """fn(*logits, tokens [B, T]) -> [B, T] tensors (or None), each logits a head on its h [B, T, *] (the models' states
+    at the same positions): about `chunk` logits a model at a time, recomputed in backward (torch.utils.checkpoint)
+    if there is more than one chunk; all at once if chunk is 0 or h are logits (Identity)."""
     B, T = tokens.shape
     whole = chunk <= 0 or any(isinstance(head, torch.nn.Identity) for head in heads)
     rows = B * T if whole else max(1, chunk // heads[0].weight.shape[0])
     if rows >= B * T:  # one chunk holds every position: nothing to recompute, no [B, T, V] above the chunk
         return fn(*(head(h) for head, h in zip(heads, hs)), tokens)
     flat = [h.reshape(B * T, h.shape[-1]) for h in hs]  # [B * T, H] each
-
-    def piece(t: torch.Tensor, *x: torch.Tensor) -> tuple:  # fn on one chunk of positions
-        return fn(*(head(y) for head, y in zip(heads, x)), t)
-
-    outs = [checkpoint(piece, tokens.reshape(B * T)[i:i + rows], *(x[i:i + rows] for x in flat), use_reentrant=False,
-                       preserve_rng_state=False) for i in range(0, B * T, rows)]
+    outs = [checkpoint(lambda t, *x: fn(*(head(y) for head, y in zip(heads, x)), t), tokens.reshape(B * T)[i:i + rows],
+                       *(x[i:i + rows] for x in flat), use_reentrant=False, preserve_rng_state=False)
+            for i in range(0, B * T, rows)]
     return tuple(None if parts[0] is None else torch.cat(parts).view(B, T) for parts in zip(*outs))
+
+
+def logprobs_on_support(models: list[tuple], tokens: torch.Tensor, temperature: float, support: tuple,
+                        chunk: int) -> tuple:
+    """token_logprobs of tokens [B, T] under each of `models`, (h, head) at the same positions (forward_to_head), each
+    on the support the first one's sampler keeps: the policy's, then the reference's (over_logits: side by side)."""
+    return over_logits([head for _, head in models], [h for h, _ in models], tokens, lambda *x: tuple(  # logits, tokens
+        token_logprobs(y, x[-1], temperature, support, support_of=x[0])[0] for y in x[:-1]), chunk)
 
 
 def generation_configs(gen: GenArgs, tokenizer, temperature: float, top_k: int = 0, top_p: float = 1.0,
@@ -1088,8 +1069,7 @@ def generation_configs(gen: GenArgs, tokenizer, temperature: float, top_k: int =
 
 
 def off_policy_note(gen: GenArgs) -> str:
-    """One line naming the settings that make the update off-policy (a repetition penalty, a minimum length), or "";
-    temperature, top-k, top-p and min-p are exact: the update's logprobs use the same distribution (token_logprobs)."""
+    """One line naming the settings that make the update off-policy (a repetition penalty, a minimum length), or ""."""
     flags = [f"--{name.replace('_', '-')} {getattr(gen, name)}" for name, off in (("min_new_tokens", 0),
              ("repetition_penalty", 1.0)) if getattr(gen, name) != off]
     return (f"note: {', '.join(flags)} change what is sampled, but the update's logprobs do not see them: it is "
@@ -1136,16 +1116,14 @@ def next_token(logits: torch.Tensor, seen: torch.Tensor, gen: GenerationConfig, 
 
 
 def cache_length(prompt_length: int, max_new_tokens: int) -> int:
-    """Length of decode_loop's key/value cache: prompt + new tokens, rounded up to a multiple of 16 so that batches
-    whose longest prompts differ by a few tokens share one shape (one compiled decode step)."""
+    """decode_loop's cache length: prompt + new tokens, up to a multiple of 16 (batches share one compiled shape)."""
     return -(-(prompt_length + max_new_tokens) // 16) * 16
 
 
 def decode_step(model, token: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
                 cache: DynamicCache | StaticCache) -> torch.Tensor:
-    """Logits [B, V] for one new token per row, token [B, 1] at position_ids [B, 1], through the model's own forward,
-    which writes its keys and values into the cache; attention_mask covers the cache: all C slots of a static one
-    (every shape fixed: one compiled graph per batch size and length), the tokens so far of one that grows."""
+    """Logits [B, V] for one new token per row, token [B, 1] at position_ids [B, 1], by the model's own forward, which
+    writes the cache; attention_mask covers it: a static cache's C slots (one graph), or the tokens so far."""
     return model(input_ids=token, position_ids=position_ids, attention_mask=attention_mask, cache=cache,
                  use_cache=True).logits[:, -1]
 
@@ -1164,8 +1142,7 @@ def static_cache(model, batch_size: int, length: int) -> StaticCache:
 
 @functools.cache
 def compiled_decode_step(mode: str) -> Callable:
-    """decode_step under torch.compile, made once per process (a new wrapper would compile again): the whole model
-    in one graph (fullgraph), shapes fixed (dynamic=False); mode "reduce-overhead" replays it as a CUDA graph."""
+    """decode_step compiled once per process: one whole graph, fixed shapes ("reduce-overhead": a CUDA graph)."""
     return torch.compile(decode_step, fullgraph=True, dynamic=False, mode=mode)
 
 
@@ -1173,10 +1150,9 @@ def compiled_decode_step(mode: str) -> Callable:
 def decode_loop(model, queries: torch.Tensor, attention_mask: torch.Tensor, gen: GenerationConfig,
                 stop: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Responses [B, T] to left-padded queries [B, Lq], sampled as `generate` samples, and each token's logprob [B, T]
-    under the distribution it was drawn from (0 after a row ended): one forward over the prompts fills the key/value
-    cache, then one token per step (decode_step). Rows end at EOS (then pad) or when stop(new_ids [B, t]) says so,
-    the loop when every row of every process has. With gen.compile_config the step is compiled over a static cache
-    sized for prompt and response (one graph); eager (or with a sliding window, said once) the cache grows per token."""
+    as drawn (0 after a row ended): one forward over the prompts fills the cache, then one token a step (decode_step).
+    Rows end at EOS (then pad) or when stop(new_ids [B, t]) says so, the loop when every process's have. With
+    gen.compile_config the step is compiled over a static cache (one graph); eager (a sliding window too) it grows."""
     B, Lq = queries.shape
     T, compiled = gen.max_new_tokens, gen.compile_config is not None
     cache = static_cache(model, B, cache_length(Lq, T)) if compiled else DynamicCache(config=model.config)
@@ -1222,15 +1198,14 @@ def stop_check(tokenizer, stop_strings: list[str]) -> Callable:
 
 @functools.cache
 def print_once(message: str) -> None:
-    """Print a message the first time it comes: once per process run (functools.cache remembers it)."""
+    """Print a message the first time it comes in this process (functools.cache remembers it)."""
     print(message, flush=True)
 
 
 @torch.no_grad()
 def generate(policy, tokenizer, queries: torch.Tensor, gen: GenerationConfig, stop_strings: list[str]) -> tuple:
     """Sample (or greedily decode) responses to left-padded queries: cut_responses' triple and the sampler's logprobs
-    [B, T]. A model whose forward takes a key/value cache object (takes_cache) goes through decode_loop;
-    any other through `generate` (said once; no logprobs), all processes stepping until all are done (synced_gpus)."""
+    [B, T], by decode_loop; a model whose forward takes no cache object by `generate` (said once; no logprobs)."""
     attention_mask = ((queries != tokenizer.pad_token_id).cumsum(1) > 0).long()  # left padding only
     Lq = queries.shape[1]
     stop = stop_check(tokenizer, stop_strings) if stop_strings else None
@@ -1253,9 +1228,8 @@ def takes_cache(model: torch.nn.Module) -> bool:
 
 
 def cut_responses(tokenizer, responses: torch.Tensor, stop_strings: list[str]) -> tuple:
-    """Cut each response after its first EOS or stop string (both kept) and pad the rest: responses [B, T], lengths
-    [B], ended [B] (bool). A stop string cuts after the first token whose decoded prefix holds it, found by bisection
-    (a prefix's text holds what a shorter prefix's holds, but for a partial character's U+FFFD): a few decodes."""
+    """Cut each response after its first EOS or stop string (kept) and pad the rest: responses [B, T], lengths [B],
+    ended [B]. A stop string cuts after the first token whose decoded prefix holds it, found by bisection."""
     rows, lengths, ended = responses.tolist(), [], []
 
     def holds_stop(ids: list[int]) -> bool:
@@ -1275,9 +1249,8 @@ def cut_responses(tokenizer, responses: torch.Tensor, stop_strings: list[str]) -
 
 def call_reward_fns(reward_fns: list, weights: list[float], prompts: list, completions: list,
                     completion_ids: list, columns: dict, reward_model: bool = False) -> torch.Tensor:
-    """Weighted sum of TRL-style reward functions; [B]. Each returns, per completion, a finite real number (Python or
-    numpy int, float or bool, or a 0-d tensor) or None, which the sum skips as in TRL. A completion that no function
-    scores stops the run with one line, unless a reward model (`reward_model`) scores all; so does any bad output."""
+    """Weighted sum [B] of TRL-style reward functions, each giving a finite number (numpy's, 0-d tensors too) or None
+    (skipped, as in TRL) per completion; bad output, or a completion none scores (without a reward model), stops."""
     total, scored = torch.zeros(len(completions)), torch.zeros(len(completions), dtype=torch.bool)
     for (spec, fn), w in zip(reward_fns, weights):
         try:
@@ -1378,42 +1351,48 @@ def rollout(policy, tokenizer, rows: list[dict], gen: GenerationConfig, stop_str
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """pass@k from n samples of which c are right, unbiased (Chen et al. 2021, arXiv:2107.03374): the chance that k
-    of them, drawn without replacement, hold a right one: 1 - C(n - c, k) / C(n, k)."""
+    """pass@k of n samples, c right (Chen et al. 2021, arXiv:2107.03374), unbiased: 1 - C(n - c, k) / C(n, k)."""
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def majority_right(answers: list, right: list[bool]) -> bool:
+    """maj@N of one prompt: the answer most samples give (None does not vote; a tie goes to the first seen) is right
+    when a sample that gives it is scored right (reaches --success-threshold); no answer at all is wrong."""
+    given = [a for a in answers if a is not None]
+    return bool(given) and any(r for a, r in zip(answers, right) if a == max(given, key=given.count))
 
 
 def evaluate(policy, tokenizer, task: Task, sample: GenerationConfig, greedy: GenerationConfig,
              stop_strings: list[str], rank: int, world: int) -> tuple[dict, list]:
-    """Greedy decoding on the task's fixed evaluation rows (split over processes): mean score and task/accuracy
-    (the fraction reaching --success-threshold), and every completion (prompt, completion, score), gathered from all
-    processes in the rows' order. With --eval-num-samples N, also N completions of each row by the training sampler
-    (`sample`, on a fork of torch's random stream: training's draws stay as they were), kept as the row's `samples`:
-    eval/pass@k for k = 1, 2, 4, ... <= N (pass_at_k) and eval/maj@N (the most frequent completion text is right)."""
+    """Greedy decoding of the task's evaluation rows (split over processes): mean score, task/accuracy (the share
+    reaching --success-threshold) and every completion, gathered in the rows' order. With --eval-num-samples N, N
+    samples a row (the training sampler, on a fork of torch's random stream), kept as its `samples`: eval/pass@k,
+    k = 1, 2, 4, ... <= N (pass_at_k), and with an answer function eval/maj@N (majority_right)."""
     rows, n, threshold = task.eval_rows[rank::world], task.args.eval_num_samples, task.args.success_threshold
     device = next(policy.parameters()).device
     out = rollout(policy, tokenizer, rows, greedy, stop_strings, task)
     scores = out["scores"]  # [B]
     samples = [{"prompt": p, "completion": t, "score": s}
                for p, t, s in zip(out["prompts"], out["texts"], scores.tolist())]
-    ks = [2 ** i for i in range(n.bit_length())]  # 1, 2, 4, ... <= N; none when N = 0
-    hits = torch.zeros(len(ks) + (n > 0), dtype=torch.float64)  # summed over this process's rows: pass@k, maj@N
+    ks, vote = [2 ** i for i in range(n.bit_length())], n > 0 and task.answer_fn is not None  # k = 1, 2, 4, ... <= N
+    hits = torch.zeros(len(ks) + vote, dtype=torch.float64)  # summed over this process's rows: pass@k, maj@N
     if n:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             draws = [rollout(policy, tokenizer, rows, sample, stop_strings, task) for _ in range(n)]
         for i, s in enumerate(samples):
             texts, got = [d["texts"][i] for d in draws], [d["scores"][i].item() for d in draws]
-            right, votes = [x >= threshold for x in got], [t.strip() for t in texts]
-            s["samples"] = [{"completion": t, "score": x} for t, x in zip(texts, got)]
-            majority = right[votes.index(max(votes, key=votes.count))]  # the most frequent text (first seen on a tie)
-            hits += torch.tensor([pass_at_k(n, sum(right), k) for k in ks] + [majority], dtype=torch.float64)
+            answers = [task.answer_fn(t) for t in texts] if vote else [None] * n
+            s["samples"] = [{"completion": t, "score": x, "answer": a} for t, x, a in zip(texts, got, answers)]
+            right = [x >= threshold for x in got]
+            majority = [majority_right(answers, right)] if vote else []
+            hits += torch.tensor([pass_at_k(n, sum(right), k) for k in ks] + majority, dtype=torch.float64)
     total = global_sum(torch.tensor([len(scores), scores.sum(), (scores >= threshold).sum(), *hits],
                                     dtype=torch.float64, device=device)).tolist()
     if world > 1:
         parts = [None] * world
         torch.distributed.all_gather_object(parts, samples)
         samples = [parts[j % world][j // world] for j in range(sum(map(len, parts)))]  # row j: rank j % world's
-    names = ["eval/scores", "task/accuracy", *[f"eval/pass@{k}" for k in ks], *[f"eval/maj@{n}"] * (n > 0)]
+    names = ["eval/scores", "task/accuracy", *[f"eval/pass@{k}" for k in ks], *[f"eval/maj@{n}"] * vote]
     return {name: value / total[0] for name, value in zip(names, total[1:], strict=True)}, samples
 
 
@@ -1440,8 +1419,7 @@ def global_sum(x: torch.Tensor) -> torch.Tensor:
 
 
 def sync_gradients(params: list[torch.nn.Parameter]) -> None:
-    """Average gradients over processes, what DistributedDataParallel does after backward (left to FSDP when the
-    parameters are sharded DTensors, whose gradients it has already reduced)."""
+    """Average gradients over processes, as DistributedDataParallel does (FSDP has reduced its sharded ones)."""
     if not torch.distributed.is_initialized():
         return
     grads = [p.grad for p in params if p.grad is not None and not hasattr(p.grad, "placements")]
@@ -1454,9 +1432,8 @@ def sync_gradients(params: list[torch.nn.Parameter]) -> None:
 
 
 def step_or_skip(optimizer, params: list, nonfinite: bool, max_grad_norm: float, skip_nonfinite: bool) -> bool:
-    """Average the gradients over processes, clip them and take the optimizer step, unless a loss (`nonfinite`) or
-    the gradient norm is NaN/inf: then drop the gradients and skip the step, or raise FloatingPointError so that the
-    run stops with its last good checkpoint in place. Returns whether the step was taken."""
+    """Average the gradients over processes, clip them and step, unless a loss (`nonfinite`) or the norm is NaN/inf:
+    then skip the step, or raise FloatingPointError (the run stops at its last good checkpoint). True if stepped."""
     if not nonfinite:
         sync_gradients(params)
         nonfinite = not torch.isfinite(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
@@ -1482,8 +1459,7 @@ def setup_distributed() -> tuple[int, int, torch.device]:
 
 
 def shard(model: torch.nn.Module, mesh) -> torch.nn.Module:
-    """FSDP2: shard each decoder layer (the classes a Hugging Face model lists in _no_split_modules), then the rest.
-    With LoRA, the rest is the model inside peft's wrapper, whose forward every call (generate's too) goes through."""
+    """FSDP2: shard each decoder layer (its _no_split_modules), then the rest (with LoRA: inside peft's wrapper)."""
     # private, but the one place where transformers names a model's layer classes (its device_map code reads it too)
     layers = set(getattr(model, "_no_split_modules", None) or [])
     for module in model.modules():
@@ -1494,8 +1470,7 @@ def shard(model: torch.nn.Module, mesh) -> torch.nn.Module:
 
 
 def reference(policy, ref_policy) -> tuple:
-    """The reference model and the context to run it in: a separate ref_policy under torch.no_grad (where it already
-    runs: no change), or, when ref_policy is None or the policy itself, the policy with its LoRA adapters off."""
+    """The reference and the context it runs in: ref_policy under no_grad, or (None) the policy with adapters off."""
     if ref_policy is not None and ref_policy is not policy:
         return ref_policy, torch.no_grad()
     if not isinstance(policy, peft.PeftModel):
@@ -1515,8 +1490,7 @@ def place(models: list, device: torch.device, fsdp: bool, world: int) -> None:
 
 
 def compile_models(enabled: bool, models: list, configs: list[GenerationConfig], device: torch.device) -> None:
-    """With --compile (`enabled`): torch.compile the models' forward passes (shapes vary: dynamic), and decode_loop's
-    one-token step for these generation configs (fixed shapes: one graph per batch size, a CUDA graph on GPUs)."""
+    """--compile: the models' forwards compiled (dynamic shapes), and decode_loop's step (fixed: CUDA graphs on GPU)."""
     if not enabled:
         return
     for model in filter(None, models):
@@ -1550,8 +1524,7 @@ def load_optimizer_state(optimizer, state: dict) -> None:
 
 
 def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
-    """Set every dropout probability to 0, in dropout layers and in the float `*dropout*` attributes of modules that
-    apply dropout as a function (Llama's attention_dropout): with dropout, each pass gives tokens other logprobs."""
+    """Every dropout probability to 0, in layers and in float `*dropout*` attributes (Llama's attention_dropout)."""
     for m in model.modules():
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0
@@ -1562,8 +1535,7 @@ def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def refuse_dropout(**models: torch.nn.Module) -> None:
-    """Raise ValueError, naming the model, when one would apply dropout (see disable_dropout): in training mode with a
-    dropout layer of p > 0 or a float `*dropout*` attribute > 0, the rollout's and the update's passes would differ."""
+    """ValueError naming a model that would apply dropout in training mode (the rollout's and update's would differ)."""
     for name, model in models.items():
         if model is None:  # ref_policy None: the policy itself, with its LoRA adapters off
             continue
@@ -1576,9 +1548,8 @@ def refuse_dropout(**models: torch.nn.Module) -> None:
 
 
 def average_metrics(metrics: dict, device: torch.device, counts: tuple[str, ...] = ()) -> dict:
-    """Each metric over all processes: the keys in `counts` (per-process counts, e.g. val/num_eos_tokens) summed,
-    keys ending in /min and /max the minimum and maximum, every other key (means, and counts every process shares,
-    e.g. loss/nonfinite_skipped) averaged. Every process passes the same keys."""
+    """Each metric over all processes (the same keys in each): the keys in `counts` (per-process counts) summed, /min
+    and /max keys the minimum and maximum, the others averaged (means, and counts all share: loss/nonfinite_skipped)."""
     local = torch.tensor(list(metrics.values()), dtype=torch.float64, device=device)
     sign = torch.tensor([-1.0 if k.endswith("/min") else 1.0 for k in metrics], dtype=torch.float64, device=device)
     extreme = sign * local  # the maximum of -x over processes is minus the minimum of x
@@ -1593,8 +1564,7 @@ def average_metrics(metrics: dict, device: torch.device, counts: tuple[str, ...]
 
 
 def open_run(args, output_dir: Path, start: int, run_name: str) -> tuple[Path, Any]:
-    """Write config.json, cut metrics.jsonl and samples.jsonl back to the rows before `start` (a resumed run repeats
-    none), and open a wandb run when --track is on. Rank 0 only."""
+    """config.json, metrics.jsonl and samples.jsonl cut to the rows before `start`, wandb with --track. Rank 0 only."""
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "config.json").write_text(json.dumps(asdict(args), indent=2))
     for log in (output_dir / "metrics.jsonl", output_dir / "samples.jsonl"):
@@ -1661,8 +1631,7 @@ def plan_run(args) -> tuple[int, Path, str, Path | None]:
 
 
 def resume_state(ckpt: Path | None, optimizer, seed: int, rank: int, run_name: str) -> tuple[dict, int]:
-    """The loop's progress (iterations done, episodes, seconds, last accuracy, run name, prompt position), the first
-    iteration to run, and this process's random state: fresh (seeded per rank, so ranks differ) or a checkpoint's."""
+    """The loop's progress, its first iteration, and this process's random state: seeded per rank, or a checkpoint's."""
     random.seed(seed + rank)
     torch.manual_seed(seed + rank)
     if ckpt is None:
@@ -1676,8 +1645,7 @@ def resume_state(ckpt: Path | None, optimizer, seed: int, rank: int, run_name: s
 
 
 def save_state(folder: Path, models: dict, tokenizer, optimizer, state: dict, keep: int, rank: int, world: int) -> None:
-    """A checkpoint of the models, the optimizer, every process's random states and the loop's `state`. Every
-    process calls it (gathering is a collective); rank 0 writes."""
+    """A checkpoint: models, optimizer, every process's random states, the loop's `state` (all call; rank 0 writes)."""
     rngs = [rng_states()] * world
     if world > 1:
         torch.distributed.all_gather_object(rngs, rng_states())
@@ -1688,8 +1656,7 @@ def save_state(folder: Path, models: dict, tokenizer, optimizer, state: dict, ke
 
 
 def finish_run(policy, tokenizer, output_dir: Path, metrics_path: Path | None, run, rank: int) -> None:
-    """Save the final model to model/ (with LoRA, its adapters to adapter/ too: see save_model) and say where, close
-    wandb, and leave the process group once every process is done."""
+    """Save the final model (save_model) and say where, close wandb, and leave the process group when all are done."""
     save_model(policy, tokenizer, output_dir / "model", output_dir / "adapter", rank)
     if rank == 0:
         final = json.loads(metrics_path.read_text().splitlines()[-1])
@@ -1703,8 +1670,7 @@ def finish_run(policy, tokenizer, output_dir: Path, metrics_path: Path | None, r
 
 
 def save_model(model, tokenizer, folder: Path, adapter_folder: Path, rank: int) -> None:
-    """Save a model whole (gathered from every process, written by rank 0) with the tokenizer; with LoRA, its
-    adapters (and heads) alone to adapter_folder first, then the model with them merged into its weights."""
+    """Save a model whole with the tokenizer (gathered; rank 0 writes); with LoRA, first its adapters (and heads)."""
     if isinstance(model, peft.PeftModel):
         weights = full_state_dict(model)
         if rank == 0:
@@ -1717,9 +1683,9 @@ def save_model(model, tokenizer, folder: Path, adapter_folder: Path, rank: int) 
 
 
 def load_weights(model, folder: Path) -> None:
-    """Load a checkpoint's weights into the model: its safetensors files, read straight into it (no second model, no
-    model code run), or, for a model with LoRA adapters, its adapters (and heads) alone. A checkpoint of the other
-    kind, or one that lacks a weight the model has (other than one tied to a weight it holds), stops the run."""
+    """Load a checkpoint's safetensors into the model as they are (no second model, no model code run); with LoRA,
+    its adapters (and heads) alone. A checkpoint of the other kind, or one without a weight the model has (but a tied
+    copy save_pretrained leaves out), stops the run with one line."""
     lora = isinstance(model, peft.PeftModel)
     if lora != (folder / "adapter_config.json").exists():
         fail("--lora-r", 0 if not lora else model.peft_config["default"].r, f"the checkpoint {folder.parent} was "
@@ -1727,19 +1693,17 @@ def load_weights(model, folder: Path) -> None:
     if lora:
         peft.set_peft_model_state_dict(model, peft.utils.load_peft_weights(str(folder)))
         return
-    found = model.load_state_dict({k: v for file in sorted(folder.glob("*.safetensors"))
-                                   for k, v in load_file(file).items()}, strict=False)
+    found = model.load_state_dict({k: v for f in folder.glob("*.safetensors") for k, v in load_file(f).items()}, False)
     own = model.state_dict()
-    held = {own[k].data_ptr() for k in own.keys() - set(found.missing_keys)}  # save_pretrained drops tied copies
+    held = {own[k].data_ptr() for k in own.keys() - set(found.missing_keys)}
     if found.unexpected_keys or any(own[k].data_ptr() not in held for k in found.missing_keys):
         fail("--resume", str(folder.parent), f"its {folder.name} weights do not fit the model (unexpected "
              f"{found.unexpected_keys[:2]}, missing {found.missing_keys[:2]}); resume with the run's own --model")
 
 
 def save_checkpoint(folder: Path, models: dict, weights: dict, tokenizer, state: dict, keep: int) -> None:
-    """Write a checkpoint (each model in its own folder with its full_state_dict `weights`, the tokenizer beside the
-    first) into a temporary folder, then rename it into place, so a crash never leaves a half one; keep the newest
-    `keep` checkpoints (0: all). Rank 0 only."""
+    """Write a checkpoint (each model's `weights` in its folder, the tokenizer beside the first) to a temporary folder
+    renamed into place, so a crash leaves no half one; keep the newest `keep` (0: all). Rank 0 only."""
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     for name, model in models.items():
@@ -1765,9 +1729,8 @@ def find_checkpoint(resume: str, output_dir: Path) -> Path:
 
 
 def load_state(folder: Path) -> dict:
-    """A checkpoint's state.pt (counters, optimizer and random states, data position), read with
-    torch.load(weights_only=True): tensors, numbers, strings, lists, tuples and dicts only, so that a checkpoint
-    from elsewhere cannot run code when resumed. A file holding anything else stops the run, its code not run."""
+    """A checkpoint's state.pt, read with torch.load(weights_only=True): plain data only, so that a checkpoint from
+    elsewhere cannot run code when resumed; anything else stops the run, its code not run."""
     try:
         return torch.load(folder / "state.pt", weights_only=True)
     except pickle.UnpicklingError as e:

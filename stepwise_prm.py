@@ -51,6 +51,7 @@ from transformers import (
     LlamaConfig,
     PreTrainedTokenizerFast,
 )
+from transformers.trainer_pt_utils import get_parameter_names
 
 
 @dataclass
@@ -106,6 +107,8 @@ class Args:
     """micro-batches per step in each process (gradients accumulated)"""
     learning_rate: float | None = None
     """AdamW learning rate of the warm start and the PRM (default: 1e-3 for the built-in model, 1e-5 for any other)"""
+    weight_decay: float = 0.0
+    """AdamW's decoupled weight decay of every weight but biases and normalisation weights (as transformers' Trainer)"""
     anneal_lr: bool = True
     """decay the learning rate linearly to 0"""
     max_grad_norm: float = 1.0
@@ -158,11 +161,10 @@ def prm_step(model, optimizer, batch: list[dict], *, pad_token_id: int, gradient
              max_grad_norm: float = 1.0, skip_nonfinite: bool = False, dtype: str = "fp32") -> dict[str, float]:
     """One update of a PRM on tokenized rows (tokenize_example's output, best sorted by length).
 
-    The loss is the cross-entropy summed over labelled tokens and divided by the batch's labelled-token count over
-    all processes, so gradient accumulation over micro-batches (each padded only to its own longest row) and data
-    parallelism (gradients averaged by step_or_skip, or reduced by FSDP) give the gradient of one big batch. A NaN/inf
-    loss or gradient norm raises FloatingPointError, or with skip_nonfinite skips the update. Returns metrics over
-    this process's rows.
+    The loss is the cross-entropy summed over labelled tokens / the batch's labelled-token count over all processes,
+    so accumulation over micro-batches (each padded to its own longest row) and data parallelism give one big batch's
+    gradient. A NaN/inf loss or gradient norm raises FloatingPointError, or with skip_nonfinite skips the update.
+    Returns metrics over this process's rows.
     """
     device = next(model.parameters()).device
     # 1. The divisor: the labelled tokens of the whole batch, over all processes.
@@ -308,7 +310,8 @@ def main(args: Args) -> None:
         warmup_steps = 1500 if args.warmup_steps is None else args.warmup_steps
         if warmup_steps and ckpt is None:
             warmup_loss = warm_start(lm.to(device), tokenizer, [tokenize(**r) for r in train_rows if all(r["labels"])],
-                                     warmup_steps, lr, args.batch_size, args.seed, output_dir / "warmup_lm", rank)
+                                     warmup_steps, lr, args.weight_decay, args.batch_size, args.seed,
+                                     output_dir / "warmup_lm", rank)
         elif warmup_steps and args.memory.lora_r:  # a LoRA checkpoint holds no base weights: they are the warm start's
             if not (output_dir / "warmup_lm" / "model.safetensors").exists():
                 fail("--resume", args.resume, f"a LoRA checkpoint needs its base, the warm start's LM, in "
@@ -324,7 +327,7 @@ def main(args: Args) -> None:
     model = with_lora(model, args.memory).to(device)  # --lora-r: adapters and the head train, the rest is frozen
     if ckpt is not None:
         load_weights(model, ckpt / "model")
-    optimizer = torch.optim.AdamW(trainable(model), lr=lr)
+    optimizer = adamw([model], lr, args.weight_decay, eps=1e-8)
 
     # ---- seeding per process (dropout differs between ranks), or the saved state of a resumed run
     random.seed(args.seed + rank)
@@ -359,7 +362,8 @@ def main(args: Args) -> None:
                     disable=rank != 0)
     for iteration in progress:
         # 8. Training: anneal the learning rate, a batch of rows of similar length, this process's share, prm_step.
-        optimizer.param_groups[0]["lr"] = lr * (1 - (iteration - 1) / args.total_steps) if args.anneal_lr else lr
+        for group in optimizer.param_groups:
+            group["lr"] = lr * (1 - (iteration - 1) / args.total_steps) if args.anneal_lr else lr
         rows = next_batch(lengths, state["data_state"], args.batch_size, args.seed)[rank * local:(rank + 1) * local]
         try:
             metrics = prm_step(model, optimizer, [train[i] for i in rows], pad_token_id=tokenizer.pad_token_id,
@@ -440,9 +444,8 @@ def multistep_reward(prompts, completions, answer, **kwargs) -> list[float]:
 
 
 def multistep_row(rng: random.Random, prompt: str | None = None, p_wrong: float = 0.5) -> dict:
-    """A labelled solution to `prompt` (default: a new problem) in the stepwise format. With probability p_wrong one
-    step's result is off by 1-3; later steps carry on from the wrong value; that step and every later one are
-    labelled False, as in Math-Shepherd."""
+    """A labelled solution to `prompt` (default: a new problem), stepwise. With probability p_wrong one step is off by
+    1-3, later steps carry on from it, and it and every later one are labelled False, as in Math-Shepherd."""
     prompt = prompt or multistep_problem(rng)["prompt"]
     nums = [int(x) for x in prompt[:-1].split("+")]
     wrong_at = rng.randrange(len(nums) - 1) if rng.random() < p_wrong else len(nums)
@@ -474,8 +477,7 @@ def builtin_rows(rng: random.Random, n: int, held_out: bool) -> list[dict]:
 
 @dataclass
 class MemoryArgs:
-    """Less memory: LoRA adapters (the peft library), of which only they train (and a value model's head), the
-    reference being the policy with its adapters off (no copy); and activation checkpointing."""
+    """Less memory: LoRA adapters (peft; only they and a classifier's head train; the reference: adapters off)."""
 
     lora_r: int = 0
     """rank of the adapters (0: off, every weight trains)"""
@@ -486,8 +488,7 @@ class MemoryArgs:
     lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
     """modules that get adapters, by name ('all-linear': every linear layer but the output layer and heads)"""
     gradient_checkpointing: bool = False
-    """recompute each layer's activations in the backward pass instead of keeping them (transformers' own
-    checkpointing, for the training forward passes): less memory, more compute"""
+    """recompute each layer's activations in the training passes' backward (transformers'): less memory, more compute"""
 
 
 def fail(flag: str, value: Any, fix: str) -> NoReturn:
@@ -509,9 +510,8 @@ def load_pretrained(auto_cls, name: str, flag: str, trust_remote_code: bool = Fa
 
 
 def with_lora(model, lora: MemoryArgs) -> torch.nn.Module:
-    """The model with fresh LoRA adapters (peft) when --lora-r > 0: they and a token classifier's head train, every
-    other weight is frozen; as it is with --lora-r 0. With --gradient-checkpointing, its layers recompute activations
-    in the backward pass (generation keeps its cache), in training mode only: the model is put in it."""
+    """The model with fresh LoRA adapters (peft) if --lora-r > 0, they and a classifier's head trained, the rest frozen;
+    with --gradient-checkpointing, its layers recompute activations in backward (in training mode: set here)."""
     if lora.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
@@ -534,9 +534,15 @@ def with_lora(model, lora: MemoryArgs) -> torch.nn.Module:
              "modules the model has (e.g. q_proj v_proj), or all-linear")
 
 
-def trainable(*models: torch.nn.Module) -> list[torch.nn.Parameter]:
-    """The parameters the optimizer takes: all of them, or with LoRA the adapters' (and a value model's head)."""
-    return [p for model in models for p in model.parameters() if p.requires_grad]
+def adamw(models: list, lr: float, weight_decay: float, eps: float = 1e-5) -> torch.optim.AdamW:
+    """AdamW over the models' parameters that train (all, or with LoRA the adapters and a classifier's head), decayed
+    as transformers' Trainer decays them: every one but biases and normalisation weights (with no decay, one group)."""
+    named = [(f"{i}.{n}", p) for i, m in enumerate(models) for n, p in m.named_parameters() if p.requires_grad]
+    decay = {f"{i}.{n}" for i, m in enumerate(models) for n in get_parameter_names(m, [torch.nn.LayerNorm], [
+        r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"])}  # Trainer's patterns
+    groups = [{"params": [p for n, p in named if n in decay], "weight_decay": weight_decay},
+              {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups if weight_decay else [p for _, p in named], lr=lr, eps=eps, weight_decay=0.0)
 
 
 def model_context(model) -> int:
@@ -649,21 +655,21 @@ def next_batch(lengths: list[int], state: dict, batch_size: int, seed: int) -> l
     return state["batches"].pop()
 
 
-def warm_start(lm, tokenizer, solutions: list[dict], steps: int, lr: float, batch_size: int, seed: int,
-               save_to: Path, rank: int) -> float:
-    """Train a causal LM on solutions (tokenized rows, an EOS appended so that it learns to stop) so that the PRM
-    starts from weights that know the domain; rank 0 saves it to `save_to`, a starting policy for RL on the same
-    task. Every process runs the same steps and gets the same weights. Returns the mean loss over the last tenth of
-    the steps."""
+def warm_start(lm, tokenizer, solutions: list[dict], steps: int, lr: float, weight_decay: float, batch_size: int,
+               seed: int, save_to: Path, rank: int) -> float:
+    """Train a causal LM on solutions (tokenized rows, EOS appended) so that the PRM starts from weights that know the
+    domain; rank 0 saves it to `save_to` (a starting policy for RL on the task). Every process runs the same steps.
+    Returns the mean loss over the last tenth of the steps."""
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     examples = [{"input_ids": e["input_ids"] + eos, "labels": e["labels"] + [-100] * len(eos)} for e in solutions]
     if not examples:
         fail("--warmup-steps", steps, "no training row has every step correct; give 0")
-    optimizer = torch.optim.AdamW(lm.parameters(), lr=lr)
+    optimizer = adamw([lm], lr, weight_decay, eps=1e-8)
     state, losses, device = {"epoch": 0, "batches": []}, [], next(lm.parameters()).device
     lengths, batch_size = [len(e["input_ids"]) for e in examples], min(batch_size, len(examples))
     for step in tqdm(range(steps), desc="warm start", disable=rank != 0):
-        optimizer.param_groups[0]["lr"] = lr * (1 - step / steps)
+        for group in optimizer.param_groups:
+            group["lr"] = lr * (1 - step / steps)
         batch = pad_batch([examples[i] for i in next_batch(lengths, state, batch_size, seed)], tokenizer.pad_token_id)
         targets = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)  # [B, L], the LM shifts them
         loss = lm(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device),
@@ -703,8 +709,7 @@ def global_sum(x: torch.Tensor) -> torch.Tensor:
 
 
 def sync_gradients(params: list[torch.nn.Parameter]) -> None:
-    """Average gradients over processes, what DistributedDataParallel does after backward (left to FSDP when the
-    parameters are sharded DTensors, whose gradients it has already reduced)."""
+    """Average gradients over processes, as DistributedDataParallel does (FSDP has reduced its sharded ones)."""
     if not torch.distributed.is_initialized():
         return
     grads = [p.grad for p in params if p.grad is not None and not hasattr(p.grad, "placements")]
@@ -717,9 +722,8 @@ def sync_gradients(params: list[torch.nn.Parameter]) -> None:
 
 
 def step_or_skip(optimizer, params: list, nonfinite: bool, max_grad_norm: float, skip_nonfinite: bool) -> bool:
-    """Average the gradients over processes, clip them and take the optimizer step, unless a loss (`nonfinite`) or
-    the gradient norm is NaN/inf: then drop the gradients and skip the step, or raise FloatingPointError so that the
-    run stops with its last good checkpoint in place. Returns whether the step was taken."""
+    """Average the gradients over processes, clip them and step, unless a loss (`nonfinite`) or the norm is NaN/inf:
+    then skip the step, or raise FloatingPointError (the run stops at its last good checkpoint). True if stepped."""
     if not nonfinite:
         sync_gradients(params)
         nonfinite = not torch.isfinite(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
@@ -745,9 +749,8 @@ def setup_distributed() -> tuple[int, int, torch.device]:
 
 
 def average_metrics(metrics: dict, device: torch.device, counts: tuple[str, ...] = ()) -> dict:
-    """Each metric over all processes: the keys in `counts` (per-process counts, e.g. val/num_eos_tokens) summed,
-    keys ending in /min and /max the minimum and maximum, every other key (means, and counts every process shares,
-    e.g. loss/nonfinite_skipped) averaged. Every process passes the same keys."""
+    """Each metric over all processes (the same keys in each): the keys in `counts` (per-process counts) summed, /min
+    and /max keys the minimum and maximum, the others averaged (means, and counts all share: loss/nonfinite_skipped)."""
     local = torch.tensor(list(metrics.values()), dtype=torch.float64, device=device)
     sign = torch.tensor([-1.0 if k.endswith("/min") else 1.0 for k in metrics], dtype=torch.float64, device=device)
     extreme = sign * local  # the maximum of -x over processes is minus the minimum of x
@@ -762,8 +765,7 @@ def average_metrics(metrics: dict, device: torch.device, counts: tuple[str, ...]
 
 
 def open_run(args, output_dir: Path, start: int, run_name: str) -> tuple[Path, Any]:
-    """Write config.json, cut metrics.jsonl and samples.jsonl back to the rows before `start` (a resumed run repeats
-    none), and open a wandb run when --track is on. Rank 0 only."""
+    """config.json, metrics.jsonl and samples.jsonl cut to the rows before `start`, wandb with --track. Rank 0 only."""
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "config.json").write_text(json.dumps(asdict(args), indent=2))
     for log in (output_dir / "metrics.jsonl", output_dir / "samples.jsonl"):
@@ -805,9 +807,9 @@ def set_rng_states(states: dict) -> None:
 
 
 def load_weights(model, folder: Path) -> None:
-    """Load a checkpoint's weights into the model: its safetensors files, read straight into it (no second model, no
-    model code run), or, for a model with LoRA adapters, its adapters (and heads) alone. A checkpoint of the other
-    kind, or one that lacks a weight the model has (other than one tied to a weight it holds), stops the run."""
+    """Load a checkpoint's safetensors into the model as they are (no second model, no model code run); with LoRA,
+    its adapters (and heads) alone. A checkpoint of the other kind, or one without a weight the model has (but a tied
+    copy save_pretrained leaves out), stops the run with one line."""
     lora = isinstance(model, peft.PeftModel)
     if lora != (folder / "adapter_config.json").exists():
         fail("--lora-r", 0 if not lora else model.peft_config["default"].r, f"the checkpoint {folder.parent} was "
@@ -815,19 +817,17 @@ def load_weights(model, folder: Path) -> None:
     if lora:
         peft.set_peft_model_state_dict(model, peft.utils.load_peft_weights(str(folder)))
         return
-    found = model.load_state_dict({k: v for file in sorted(folder.glob("*.safetensors"))
-                                   for k, v in load_file(file).items()}, strict=False)
+    found = model.load_state_dict({k: v for f in folder.glob("*.safetensors") for k, v in load_file(f).items()}, False)
     own = model.state_dict()
-    held = {own[k].data_ptr() for k in own.keys() - set(found.missing_keys)}  # save_pretrained drops tied copies
+    held = {own[k].data_ptr() for k in own.keys() - set(found.missing_keys)}
     if found.unexpected_keys or any(own[k].data_ptr() not in held for k in found.missing_keys):
         fail("--resume", str(folder.parent), f"its {folder.name} weights do not fit the model (unexpected "
              f"{found.unexpected_keys[:2]}, missing {found.missing_keys[:2]}); resume with the run's own --model")
 
 
 def save_checkpoint(folder: Path, models: dict, weights: dict, tokenizer, state: dict, keep: int) -> None:
-    """Write a checkpoint (each model in its own folder with its full_state_dict `weights`, the tokenizer beside the
-    first) into a temporary folder, then rename it into place, so a crash never leaves a half one; keep the newest
-    `keep` checkpoints (0: all). Rank 0 only."""
+    """Write a checkpoint (each model's `weights` in its folder, the tokenizer beside the first) to a temporary folder
+    renamed into place, so a crash leaves no half one; keep the newest `keep` (0: all). Rank 0 only."""
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     for name, model in models.items():
@@ -853,9 +853,8 @@ def find_checkpoint(resume: str, output_dir: Path) -> Path:
 
 
 def load_state(folder: Path) -> dict:
-    """A checkpoint's state.pt (counters, optimizer and random states, data position), read with
-    torch.load(weights_only=True): tensors, numbers, strings, lists, tuples and dicts only, so that a checkpoint
-    from elsewhere cannot run code when resumed. A file holding anything else stops the run, its code not run."""
+    """A checkpoint's state.pt, read with torch.load(weights_only=True): plain data only, so that a checkpoint from
+    elsewhere cannot run code when resumed; anything else stops the run, its code not run."""
     try:
         return torch.load(folder / "state.pt", weights_only=True)
     except pickle.UnpicklingError as e:
@@ -877,9 +876,8 @@ def write_checkpoint(folder: Path, model, tokenizer, optimizer, state: dict, kee
 
 
 def close_run(args: Args, model, tokenizer, output_dir: Path, metrics_path: Path | None, run, rank: int) -> None:
-    """Save the final model and print the last evaluation (rank 0), close wandb, and leave the process group once
-    every process is done. With LoRA, the adapters and the head alone go to adapter/ and the model with the adapters
-    merged into its weights to model/."""
+    """Save the final model (with LoRA: the adapters and head to adapter/, merged to model/) and print the last
+    evaluation (rank 0), close wandb, and leave the process group once every process is done."""
     if rank == 0:
         if isinstance(model, peft.PeftModel):
             model.save_pretrained(output_dir / "adapter")

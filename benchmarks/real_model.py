@@ -70,6 +70,12 @@ def score(prompts, completions, answer, **kwargs) -> list[float]:
         numbers = re.findall(r"-?\\d+", text)
         scores.append(1.0 if numbers and int(numbers[-1]) == int(expected) else 0.0)
     return scores
+
+
+def answer(completion: str) -> int | None:
+    """The reply's answer, as score reads it: its last integer (None: there is none). maj@N votes on it."""
+    numbers = re.findall(r"-?\\d+", completion)
+    return int(numbers[-1]) if numbers else None
 '''
 
 
@@ -113,9 +119,9 @@ def main() -> None:
     parser.add_argument("--model-folder", type=Path, default=None,
                         help="use this model folder instead of making SmolLM2-135M-Instruct's in the cache")
     parser.add_argument("--out", type=Path, default=CACHE / "runs", help="folder of the task data and the runs")
-    parser.add_argument("--runs", nargs="+", default=DEFAULT_RUNS, choices=[*RUNS, *VS_TRL, "none"],
-                        help=f"runs to make, in this order (default: {' '.join(DEFAULT_RUNS)}; 'none': only the model "
-                             "folder and the task; with --vs-trl, one side: rloo-grpo or trl-grpo)")
+    parser.add_argument("--runs", nargs="+", default=None, choices=[*RUNS, *VS_TRL, "none"],
+                        help=f"runs to make, in this order (default: {' '.join(DEFAULT_RUNS)}, with --vs-trl both "
+                             "sides; 'none': only the model folder and the task; with --vs-trl, rloo-grpo or trl-grpo)")
     parser.add_argument("--episodes-scale", type=float, default=1.0,
                         help="multiply each run's episodes by this (rounded to whole batches, at least one)")
     parser.add_argument("--plot", type=Path, default=None,
@@ -133,12 +139,12 @@ def main() -> None:
         convert_gguf(*args.convert_gguf)
         return
 
-    if args.vs_trl:
-        runs = {name: VS_TRL[name] for name in args.runs if name in VS_TRL} or VS_TRL
-    elif set(args.runs) & set(VS_TRL):
-        parser.error(f"--runs {' '.join(args.runs)}: {', '.join(VS_TRL)} are --vs-trl's sides; add --vs-trl")
-    else:
-        runs = {name: RUNS[name] for name in args.runs if name != "none"}
+    names = args.runs or (list(VS_TRL) if args.vs_trl else DEFAULT_RUNS)
+    if args.vs_trl and set(names) - {*VS_TRL, "none"}:
+        parser.error(f"--runs {' '.join(names)}: with --vs-trl name its sides ({', '.join(VS_TRL)}) or none")
+    if not args.vs_trl and set(names) & set(VS_TRL):
+        parser.error(f"--runs {' '.join(names)}: {', '.join(VS_TRL)} are --vs-trl's sides; add --vs-trl")
+    runs = {name: (VS_TRL if args.vs_trl else RUNS)[name] for name in names if name != "none"}
     out = args.out.resolve()  # the runs start in the repository root
     model = args.model_folder.resolve() if args.model_folder else make_model_folder(CACHE / "SmolLM2-135M-Instruct")
     data = write_task(out / "data")
@@ -296,7 +302,8 @@ def run(name: str, spec: Run, model: Path, data: Path, out: Path, episodes_scale
     else:
         cmd = [sys.executable, spec.script, *([spec.recipe] if spec.recipe else []), "--model", str(model),
                "--dataset", str(data), "--dataset-split", "train", "--eval-split", "test", "--num-eval-prompts",
-               str(NUM_TEST), "--reward-fn", f"{data / 'reward.py'}:score", "--max-new-tokens", str(MAX_NEW_TOKENS),
+               str(NUM_TEST), "--reward-fn", f"{data / 'reward.py'}:score", "--answer-fn",
+               f"{data / 'reward.py'}:answer", "--max-new-tokens", str(MAX_NEW_TOKENS),
                "--total-episodes", str(episodes), "--batch-size", str(spec.batch_size), *spec.flags,
                "--output-dir", str(out)]
     shutil.rmtree(out, ignore_errors=True)

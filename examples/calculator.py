@@ -55,6 +55,7 @@ from interleave import sft_batch, sft_step  # noqa: E402
 from ppo import (  # noqa: E402
     GenArgs,
     PPOHParams,
+    adamw,
     build_tiny_model,
     disable_dropout,
     fail,
@@ -111,6 +112,9 @@ class Args:
     """episodes per PPO update"""
     learning_rate: float = 1e-4
     """AdamW learning rate of PPO (policy and value model)"""
+    weight_decay: float = 0.0
+    """AdamW's decoupled weight decay of the warm start and of PPO, on every weight but biases and normalisation
+    weights (as transformers' Trainer)"""
     anneal_lr: bool = True
     """decay the PPO learning rate linearly to 0"""
     num_eval_tasks: int = 200
@@ -378,9 +382,10 @@ def main(args: Args) -> None:
         return row
 
     # ---- 1. SFT warm start on demonstrations (tool output masked out of the labels)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.sft_learning_rate, eps=1e-5)
+    optimizer = adamw([policy], args.sft_learning_rate, args.weight_decay)
     for step in range(1, args.sft_steps + 1):
-        optimizer.param_groups[0]["lr"] = args.sft_learning_rate * (1 - (step - 1) / args.sft_steps)
+        for group in optimizer.param_groups:
+            group["lr"] = args.sft_learning_rate * (1 - (step - 1) / args.sft_steps)
         tasks = [train_task() for _ in range(args.sft_batch_size)]
         styles = ["direct" if random.random() < args.direct_fraction else "mental"
                   if random.random() < args.mental_fraction else "tool" for _ in tasks]
@@ -399,11 +404,11 @@ def main(args: Args) -> None:
     config.num_labels = 1
     value_model = disable_dropout(AutoModelForTokenClassification.from_config(config))
     value_model.load_state_dict(policy.state_dict(), strict=False)
-    optimizer = torch.optim.AdamW([*policy.parameters(), *value_model.parameters()], lr=args.learning_rate, eps=1e-5)
+    optimizer = adamw([policy, value_model], args.learning_rate, args.weight_decay)
     row = after_sft
     for iteration in range(1, args.ppo_iterations + 1):
-        if args.anneal_lr:
-            optimizer.param_groups[0]["lr"] = args.learning_rate * (1 - (iteration - 1) / args.ppo_iterations)
+        for group in optimizer.param_groups if args.anneal_lr else []:
+            group["lr"] = args.learning_rate * (1 - (iteration - 1) / args.ppo_iterations)
         tasks = [train_task() for _ in range(args.batch_size)]
         episodes = run_episodes(policy, tokenizer, [prompt(t, True) for t in tasks], sample, args.max_calls)
         queries, responses, masks = episode_batch(episodes, tokenizer.pad_token_id)

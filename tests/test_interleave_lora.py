@@ -27,7 +27,7 @@ def test_sft_ppo_and_rloo_steps_train_the_same_adapters_and_only_them():
     value.config.pad_token_id = tokenizer.pad_token_id
     policy = ppo.disable_dropout(ppo.with_lora(policy, ppo.MemoryArgs(lora_r=4)))
     value = ppo.disable_dropout(ppo.with_lora(value, ppo.MemoryArgs(lora_r=4)))
-    optimizer = torch.optim.AdamW(ppo.trainable(policy, value), lr=1e-2, eps=1e-5)
+    optimizer = ppo.adamw([policy, value], 1e-2, 0.1)  # two groups: decayed weights, and biases and norms
     assert {id(p) for g in optimizer.param_groups for p in g["params"]} == {
         id(p) for n, p in [*policy.named_parameters(), *value.named_parameters()]
         if "lora_" in n or "modules_to_save" in n}

@@ -1,6 +1,7 @@
 """pass@k evaluation (--eval-num-samples N): the unbiased estimator against hand-computed cases and against counting
-every subset, the logged eval/pass@k and eval/maj@N against what samples.jsonl keeps, training left as it is without
-the flag (the samples draw from a fork of torch's random stream), two processes, and the bad-value error."""
+every subset, maj@N's vote on answers (--answer-fn), the logged eval/pass@k and eval/maj@N against what samples.jsonl
+keeps, training left as it is without the flag (the samples draw from a fork of torch's random stream), no maj@N
+without an answer function, two processes, and the bad-value error."""
 
 import itertools
 import json
@@ -20,6 +21,10 @@ ROWS = 100  # the built-in task evaluates on all its 100 sums
 REWARDS = '''
 def even_length(prompts, completions, **kwargs):
     return [float(len(c) % 2 == 0) for c in completions]
+
+
+def first_char(completion):
+    return completion[:1] or None
 '''
 
 
@@ -45,6 +50,19 @@ def test_pass_at_k_is_the_share_of_k_subsets_holding_a_right_sample():
                 assert ppo.pass_at_k(n, c, k) == pytest.approx(sum(map(any, subsets)) / len(subsets), abs=1e-12)
 
 
+@pytest.mark.parametrize("answers, right, expected", [
+    # six samples answer 57 in their own words, two say "56" word for word: the vote on answers picks 57 (a vote on
+    # whole texts picked the two identical wrong ones)
+    (["57"] * 6 + ["56"] * 2, [True] * 6 + [False] * 2, True),
+    (["56", "57", "57", "56", "56"], [False, True, True, False, False], False),  # the majority is wrong
+    (["7", "7", "8", "8"], [False, True, True, False], True),  # a tie: the first seen (7), right in one sample
+    ([None, None, "3", None], [True, True, False, True], False),  # no answer does not vote: the one answer is wrong
+    ([None, None], [True, True], False),  # no answer found at all
+])
+def test_majority_votes_on_answers_and_is_right_when_a_sample_giving_it_is_right(answers, right, expected):
+    assert ppo.majority_right(answers, right) is expected
+
+
 def logged(run_dir):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
@@ -55,7 +73,8 @@ def logged(run_dir):
 def test_logged_pass_at_k_and_majority_follow_the_kept_samples_and_leave_training_as_it_is(script, tmp_path):
     (tmp_path / "my_rewards.py").write_text(REWARDS)
     with_samples, without = tmp_path / "with", tmp_path / "without"
-    for run_dir, extra in ((with_samples, ["--eval-num-samples", "5"]), (without, [])):
+    for run_dir, extra in ((with_samples, ["--eval-num-samples", "5", "--answer-fn", "my_rewards:first_char"]),
+                           (without, [])):
         result = run_main(script, *TINY, *extra, "--reward-fn", "my_rewards:even_length", "--output-dir", run_dir,
                           cwd=tmp_path)
         assert result.returncode == 0, result.stderr[-3000:]
@@ -77,15 +96,30 @@ def test_logged_pass_at_k_and_majority_follow_the_kept_samples_and_leave_trainin
             assert row[f"eval/pass@{k}"] == pytest.approx(sum(by_subsets) / ROWS, abs=1e-9)
         majority = []
         for s, r in zip(evals, right):
-            texts = [x["completion"].strip() for x in s["samples"]]
-            counts = {t: texts.count(t) for t in texts}
-            top = max(counts.values())
-            winners = [i for i, t in enumerate(texts) if counts[t] == top]
-            majority.append(r[winners[0]])  # ties: the first seen of the most frequent texts
+            answers = [x["completion"][:1] or None for x in s["samples"]]
+            assert answers == [x["answer"] for x in s["samples"]]
+            counts = {a: answers.count(a) for a in answers if a is not None}
+            top = max(counts, key=counts.get) if counts else None  # ties: the first seen (dicts keep their order)
+            majority.append(any(ri for a, ri in zip(answers, r) if top is not None and a == top))
         assert row["eval/maj@5"] == pytest.approx(sum(majority) / ROWS, abs=1e-9)
         assert 0 < row["eval/pass@1"] < row["eval/pass@2"] < row["eval/pass@4"] < 1
     # the samples vary: at the start (random weights, temperature 1) some prompt's 5 samples are not all alike
     assert any(len({x["completion"] for x in s["samples"]}) > 1 for s in samples if s["iteration"] == 0)
+
+
+def test_without_an_answer_function_maj_at_n_is_not_logged_and_that_is_said_once(tmp_path):
+    """The built-in task brings its own answer (a sum's text); prompts of your own need --answer-fn for the vote."""
+    (tmp_path / "my_rewards.py").write_text(REWARDS)
+    flags = [*TINY, "--eval-num-samples", "2", "--prompt-fn", "ppo:addition_prompt", "--reward-fn",
+             "my_rewards:even_length"]
+    result = run_main("rloo.py", *flags, "--output-dir", tmp_path / "run", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("no --answer-fn, so eval/maj@N is not logged") == 1
+    rows, _ = logged(tmp_path / "run")
+    assert all("eval/pass@2" in row and "eval/maj@2" not in row for row in rows)
+    builtin = run_main("rloo.py", *TINY, "--eval-num-samples", "2", "--output-dir", tmp_path / "builtin")
+    assert builtin.returncode == 0 and "no --answer-fn" not in builtin.stdout
+    assert all("eval/maj@2" in row for row in logged(tmp_path / "builtin")[0])
 
 
 def test_two_processes_gather_every_row_with_its_samples(tmp_path):

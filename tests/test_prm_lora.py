@@ -38,7 +38,7 @@ def rows(tokenizer, n: int = 12) -> list[dict]:
 
 def test_a_lora_step_trains_only_the_adapters_and_the_head_and_frozen_weights_are_harmless():
     tokenizer, model = classifier(lora_r=4)
-    optimizer = torch.optim.AdamW(prm.trainable(model), lr=1e-2)
+    optimizer = prm.adamw([model], 1e-2, 0.0, eps=1e-8)
     held = {id(p) for g in optimizer.param_groups for p in g["params"]}
     names = {n for n, p in model.named_parameters() if id(p) in held}
     assert names and all("lora_" in n or "modules_to_save" in n for n in names), sorted(names)[:3]
@@ -48,7 +48,7 @@ def test_a_lora_step_trains_only_the_adapters_and_the_head_and_frozen_weights_ar
     torch.manual_seed(1)
     metrics = prm.prm_step(model, optimizer, rows(tokenizer), pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(1)
-    prm.prm_step(everything, torch.optim.AdamW(everything.parameters(), lr=1e-2), rows(tokenizer),
+    prm.prm_step(everything, torch.optim.AdamW(everything.parameters(), lr=1e-2, weight_decay=0.0), rows(tokenizer),
                  pad_token_id=tokenizer.pad_token_id)
     assert metrics["train/nonfinite_skipped"] == 0.0
     for n, p in model.named_parameters():
@@ -65,7 +65,7 @@ def test_gradient_checkpointing_keeps_fewer_activations_and_gives_the_same_step(
     results = []
     for checkpointing in (False, True):
         tokenizer, model = classifier(lora_r, checkpointing)
-        params, kept = prm.trainable(model), []
+        params, kept = [p for p in model.parameters() if p.requires_grad], []
 
         def keep(t: torch.Tensor, kept=kept) -> torch.Tensor:  # every tensor autograd keeps outside checkpointed layers
             kept.append(t.numel())

@@ -169,8 +169,22 @@ def test_vs_trl_runs_rloo_grpo_and_trl_grpotrainer_at_the_same_evaluation_points
         assert [float(c) for c in cells[1:]] == pytest.approx(expected, abs=6e-4)  # printed to 3 decimals
 
 
-def test_a_side_of_the_comparison_needs_vs_trl(tmp_path):
-    """--runs trl-grpo alone is refused in one line that names the fix, before any model folder or task is made."""
-    result = run_script("benchmarks/real_model.py", "--runs", "trl-grpo", "--out", tmp_path / "runs")
-    assert result.returncode == 2 and "are --vs-trl's sides; add --vs-trl" in result.stderr
+@pytest.mark.parametrize("flags, refusal", [
+    (["--runs", "trl-grpo"], "are --vs-trl's sides; add --vs-trl"),  # a side alone
+    (["--vs-trl", "--runs", "ppo"], "with --vs-trl name its sides (rloo-grpo, trl-grpo) or none"),  # not a side
+])
+def test_runs_that_do_not_fit_vs_trl_are_refused_before_anything_is_made(flags, refusal, tmp_path):
+    """Refused in one line that names the fix, before any model folder or task is made (--vs-trl --runs ppo used to
+    run both sides)."""
+    result = run_script("benchmarks/real_model.py", *flags, "--out", tmp_path / "runs")
+    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].endswith(refusal), result.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_vs_trl_with_runs_none_runs_nothing(tiny_chat_model, tmp_path):
+    """--vs-trl --runs none makes the task and runs no side (it used to run both)."""
+    result = run_script("benchmarks/real_model.py", "--vs-trl", "--runs", "none", "--model-folder", tiny_chat_model,
+                        "--out", tmp_path / "runs", "--plot", tmp_path / "png.png")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "running" not in result.stdout and (tmp_path / "runs" / "data" / "reward.py").exists()
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["data"]

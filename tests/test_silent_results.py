@@ -1,7 +1,8 @@
 """Issue 36: silent wrong results a review found. Models that go through `model.generate`, --temperature 0 and
 --learning-rate 0, the note for a sequence-level ratio with a token-weighted loss, and gpu_check.py's forward swap.
 (The min/max reductions over processes: tests/test_cli_fixes.py; the KL under sampling filters:
-tests/test_filtered_kl.py; samples.jsonl's order under torchrun: tests/test_distributed.py; the trl_rloo recipe against TRL's RLOOTrainer: tests/test_grpo_family.py.)"""
+tests/test_filtered_kl.py; samples.jsonl's order under torchrun: tests/test_distributed.py; the trl_rloo recipe
+against TRL's RLOOTrainer: tests/test_grpo_family.py.)"""
 
 import ast
 import json
