@@ -6,8 +6,9 @@
    (--kl-temperature): the random-weight model's next-token distribution is nearly flat, and at 1.0 min-p 0.1 would
    drop nothing.
 2. A reward that is always 0, with and without --top-k 3, at the default learning rate (1e-3) and at 1e-4: the mean
-   response length over the first and the last 5 of 30 iterations. With no task signal only the KL (and AdamW's weight
-   decay) moves the policy; a KL that is not 0 at identical weights penalises every token and shortens the responses.
+   response length over the first and the last 5 of 30 iterations. A KL that is not 0 at identical weights penalises
+   every token and shortens the responses; with a KL of 0 rloo.py's policy does not move (every advantage is 0), and
+   ppo.py's moves only by its value model's noise.
 
     python benchmarks/filtered_kl.py                 # this checkout (about 8 minutes on 2 cores)
     python benchmarks/filtered_kl.py --root ../old   # the same runs on another checkout's scripts (before a change)

@@ -95,7 +95,7 @@ def learn(episodes: int, folder: Path, seed: int) -> None:
                         use_cpu=True, seed=seed, dataloader_num_workers=0, disable_tqdm=True,
                         per_device_train_batch_size=256, num_generations=4, max_completion_length=4,
                         temperature=1.0, top_k=0, learning_rate=1e-3, lr_scheduler_type="linear", adam_epsilon=1e-5,
-                        weight_decay=0.01, max_grad_norm=1.0, beta=0.05, num_iterations=1, num_train_epochs=1)
+                        weight_decay=0.0, max_grad_norm=1.0, beta=0.05, num_iterations=1, num_train_epochs=1)
     trainer = RLOOTrainer(model=str(folder), reward_funcs=reward, args=config, train_dataset=ds,
                           processing_class=tokenizer)
     start = time.perf_counter()
@@ -116,7 +116,7 @@ def learn(episodes: int, folder: Path, seed: int) -> None:
 
 def grpo_real(episodes: int, model: Path, data: Path, out: Path, eval_every: int) -> None:
     """TRL's GRPOTrainer with rloo.py grpo's settings on real_model.py's task: 32 completions a step as 8 prompts x 4,
-    16 new tokens, temperature 1, lr 2e-5 decaying linearly, AdamW (eps 1e-5, weight decay 0.01, as ours), beta 0.04
+    16 new tokens, temperature 1, lr 2e-5 decaying linearly, AdamW (eps 1e-5, no weight decay, as ours), beta 0.04
     with k3 in the loss (use_bias_correction_kl off: TRL 1.12's default multiplies the k3 term by the importance
     ratio, whose gradient makes it rloo.py's --kl-estimator k2), group std scaling, loss_type grpo, one update per
     generation, fp32, no checkpointing. One metrics row per step (iteration, episode, elapsed_s: seconds since
@@ -166,7 +166,7 @@ def grpo_real(episodes: int, model: Path, data: Path, out: Path, eval_every: int
                         use_cpu=True, seed=1, dataloader_num_workers=0, disable_tqdm=True, bf16=False,
                         gradient_checkpointing=False, per_device_train_batch_size=32, num_generations=4,
                         max_completion_length=16, temperature=1.0, top_p=1.0, learning_rate=2e-5,
-                        lr_scheduler_type="linear", adam_epsilon=1e-5, weight_decay=0.01, max_grad_norm=1.0,
+                        lr_scheduler_type="linear", adam_epsilon=1e-5, weight_decay=0.0, max_grad_norm=1.0,
                         beta=0.04, use_bias_correction_kl=False, loss_type="grpo", scale_rewards="group",
                         num_iterations=1, max_steps=episodes // 32)
     trainer = GRPOTrainer(model=str(model), reward_funcs=reward, args=config, train_dataset=ds,

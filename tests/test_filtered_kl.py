@@ -53,10 +53,12 @@ CASES = [
     ("min-p, policy sharper", [0.60, 0.25, 0.10, 0.04, 0.01], [0.20, 0.20, 0.20, 0.20, 0.20], (0, 1.0, 0.3)),
     ("min-p, policy broader", [0.24, 0.22, 0.20, 0.19, 0.15], [0.05, 0.05, 0.80, 0.05, 0.05], (0, 1.0, 0.5)),
     ("all three", [0.40, 0.30, 0.15, 0.10, 0.05], [0.10, 0.20, 0.30, 0.25, 0.15], (4, 0.9, 0.3)),
-    # the review's: a nucleus of one token (the blind spot: both samplers emit it, KL 0) ...
-    ("top-p, one token", [0.70, 0.20, 0.10], [0.562, 0.438, 1e-6], (0, 0.5, 0.0)),
-    # ... and a reference whose own min-p support is one token (the former KL paid the policy to spread: E[k1] < 0)
-    ("min-p, reference sharp", [0.40, 0.35, 0.25], [0.96, 0.02, 0.02], (0, 1.0, 0.5)),
+    # a nucleus of one token against a reference sampler [0.5625, 0.4375, 0] (the blind spot: both samplers emit that
+    # token, KL 0; the reference on its own support gave E[k1] 0.575 and E[k3] 0.138) ...
+    ("top-p, one token", [0.70, 0.20, 0.10], [0.45, 0.35, 0.20], (0, 0.5, 0.0)),
+    # ... and a broad policy against a reference whose own min-p support is one token (on its own support: E[k1]
+    # -0.25, a penalty that paid the policy to spread)
+    ("min-p, reference sharp", [0.40, 0.35, 0.25], [0.60, 0.20, 0.20], (0, 1.0, 0.5)),
 ]
 
 
