@@ -221,8 +221,8 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
     """Per-token KL estimate at sampled tokens, r = ref - logp (Schulman, "Approximating KL Divergence"): k1 = -r,
     k2 = r^2 / 2, k3 = exp(r) - 1 - r. As values (in the reward) k1 and k3 estimate KL(pi || ref) without bias; as
-    loss terms only their expected gradients count: k1's is 0, k2's that of KL(pi || ref) of each token's next-token
-    distribution, k3's that of KL(ref || pi) (summed over a response, not the responses' KL: prefixes are held)."""
+    loss terms only their expected gradients count: k1's is 0, token by token k2's that of KL(pi || ref) at the sampled
+    prefix, k3's that of KL(ref || pi); summed over T > 1 tokens, not the responses' KL gradient (prefixes are held)."""
     if estimator == "k1":
         return logprobs - ref_logprobs
     r = ref_logprobs - logprobs

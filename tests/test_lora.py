@@ -160,7 +160,7 @@ def test_resuming_with_the_other_lora_setting_stops_with_one_line(tmp_path):
     frozen_base.save_pretrained(tmp_path / "full" / "policy")
     for model, folder, words in ((frozen_base, "lora", "with LoRA"), (policy, "full", "without")):
         with pytest.raises(SystemExit, match=rf"^error: --lora-r \d+: .*{words}.*the run's own --lora-r$"):
-            ppo.load_weights(model, tmp_path / folder / "policy", AutoModelForCausalLM)
+            ppo.load_weights(model, tmp_path / folder / "policy")
 
 
 @pytest.mark.parametrize("lora_r", [0, 4])
