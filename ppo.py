@@ -439,7 +439,8 @@ def main(args: Args) -> None:
     hp, gen = args.ppo, args.gen
     # ---- check the configuration before anything is loaded
     rank, world, device = setup_distributed()
-    gen.max_new_tokens = gen.max_new_tokens or (4 if check_task(args.task) else 64)
+    builtin = check_task(args.task)  # the task's flags checked whatever else is given
+    gen.max_new_tokens = gen.max_new_tokens or (4 if builtin else 64)
     if hp.temperature <= 0:
         fail("--temperature", hp.temperature, "must be > 0: the logits are divided by it (evaluation is greedy anyway)")
     local_batch = args.batch_size // world

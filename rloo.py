@@ -507,7 +507,8 @@ def main(args: Args) -> None:
     hp, gen = args.rloo, args.gen
     # ---- check the configuration before anything is loaded
     rank, world, device = setup_distributed()
-    gen.max_new_tokens = gen.max_new_tokens or (4 if check_task(args.task) else 64)
+    builtin = check_task(args.task)  # the task's flags checked whatever else is given
+    gen.max_new_tokens = gen.max_new_tokens or (4 if builtin else 64)
     hp.max_completion_length = hp.max_completion_length or gen.max_new_tokens  # dr_grpo's constant
     if hp.rloo_k < 2:
         fail("--rloo-k", hp.rloo_k, "needs at least 2 samples per prompt for a leave-one-out baseline")

@@ -192,6 +192,8 @@ def test_save_then_resume_gives_the_same_run(script, tmp_path):
     (["--prompt-fn", "my_prompts:not_a_row", "--reward-fn", "my_prompts:exact"], "--prompt-fn", ["'prompt' key"]),
     (["--dataset", "chat.jsonl", "--prompt-fn", "my_prompts:digits", "--reward-fn", "my_prompts:exact"],
      "--prompt-fn", ["not both"]),
+    (["--dataset", "chat.jsonl", "--prompt-fn", "my_prompts:digits", "--reward-fn", "my_prompts:exact",
+      "--max-new-tokens", "8"], "--prompt-fn", ["not both"]),  # checked with --max-new-tokens given too
     (["--prompt-fn", "my_prompts:digits"], "--reward-fn", ["need a reward"]),
     (["--dataset", "chat.jsonl"], "--reward-fn", ["need a reward"]),
     (["--dataset", "no_prompt.jsonl", "--reward-fn", "my_prompts:exact"], "--prompt-column",
