@@ -252,27 +252,20 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float) -
     return advantages, advantages + values
 
 
-def response_hidden(model, input_ids, attention_mask, T: int, chunk: int) -> tuple:
-    """(h [B, T, H], the output layer) at the positions whose logits score the T response tokens (forward_to_head)."""
-    _, h, head = forward_to_head(model, T + 1, chunk, input_ids=input_ids, attention_mask=attention_mask,
-                                 position_ids=position_ids_from(attention_mask))
-    return h[:, :-1], head
-
-
 def response_logprobs(policy, input_ids, attention_mask, responses: torch.Tensor, temperature: float,
                       support: tuple = (0, 1.0, 0.0), with_entropy: bool = False, entropy_grad: bool = False,
                       chunk: int = 0) -> tuple:
-    """token_logprobs' logprobs [B, T] and entropy [B, T] of the response tokens, support (top_k, top_p, min_p) as the
-    sampler's, from the logits at response positions, about `chunk` at a time (over_logits; 0: all at once)."""
+    """token_logprobs' logprobs [B, T] and entropy [B, T] of the response tokens (0 on padding), support (top_k, top_p,
+    min_p) as the sampler's, from the logits at response positions, about `chunk` at a time (over_logits)."""
     h, head = response_hidden(policy, input_ids, attention_mask, responses.shape[1], chunk)
-    return over_logits([head], [h], responses,
-                       lambda x, t: token_logprobs(x, t, temperature, support, with_entropy, entropy_grad), chunk)
+    return over_logits([head], [h], responses, lambda x, t: token_logprobs(x, t, temperature, support, with_entropy,
+                                                                              entropy_grad), chunk, attention_mask[:, -responses.shape[1]:])
 
 
 def response_values(value_model, input_ids, attention_mask, T: int) -> torch.Tensor:
-    """Value of the state before each response token; [B, T]."""
-    return value_model(input_ids=input_ids, attention_mask=attention_mask,
-                       position_ids=position_ids_from(attention_mask)).logits[:, -T - 1:-1, 0].float()  # [B, T]
+    """Value of the state before each response token; [B, T] (one forward of the packed sequences: packed_inputs)."""
+    inputs, index = packed_inputs(value_model, input_ids, attention_mask, T)
+    return value_model(**inputs).logits.flatten(0, 1)[index, 0].float()  # [B, T]
 
 
 def step_rewards(steps: list[tuple[int, float]], weight: float) -> list[tuple[int, float]]:
@@ -349,7 +342,7 @@ def ppo_step(policy, value_model, ref_policy, optimizer, queries: torch.Tensor, 
             ref_model, ref_context = reference(policy, ref_policy)  # ref_policy None: the policy, adapters off
             with ref_context:
                 models.append(response_hidden(ref_model, input_ids[c], attention_mask[c], T, hp.logits_chunk))
-            parts.append(logprobs_on_support(models, responses[c], hp.temperature, support, hp.logits_chunk))
+            parts.append(logprobs_on_support(models, responses[c], hp.temperature, support, hp.logits_chunk, valid[c]))
         ref_logprobs = torch.cat([p[-1] for p in parts])
         if fused:
             old_logprobs, old_values = first[0].detach(), first[2].detach() * valid
@@ -500,6 +493,7 @@ def main(args: Args) -> None:
             fail("--skip-nonfinite", False, f"{e} at iteration {iteration}: the run stops here, its last good "
                  "checkpoint kept; lower --learning-rate, check the rewards, or pass --skip-nonfinite")
         # 10. Log: metrics averaged over processes (counts summed), a row per iteration; evaluation every --eval-every.
+        metrics["sampling/decode_live_frac"] = out["decode_live_frac"]
         if out["process"] is not None:
             step_minima = [min((p for _, p in steps), default=0) for steps in out["process"]]
             metrics["objective/prm_min_step_score"] = sum(step_minima) / len(rows)
@@ -589,6 +583,8 @@ class GenArgs:
     """repetition penalty (1.0: off; off-policy, see --min-new-tokens)"""
     stop_strings: list[str] = field(default_factory=list)
     """end a response after the first of these strings (kept in the response)"""
+    compact_below: float = 0.5
+    """drop finished rows from the decode loop's batch once the share still running falls under this (0: never)"""
 
 
 @dataclass
@@ -924,6 +920,50 @@ def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.cumsum(1) - 1).clamp(min=0)
 
 
+PACKS: dict[str, bool] = {}  # per model class and config: do sequences packed in one row stay apart?
+
+
+def packed_inputs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int) -> tuple:
+    """The forward's inputs for rows of a left-padded prompt and a right-padded response of T tokens (input_ids and
+    attention_mask [B, S]), and index [B, T]: the flattened output position whose logits score each response token.
+    Where rows are padded, their real tokens are packed, longest first, into rows as wide as the longest, position
+    ids from 0 for each and no mask: transformers keeps them apart (checked once per model: else, and where nothing
+    is padded, the rows go as they are). Nothing is computed on padding but a packed row's tail."""
+    (B, S), n = input_ids.shape, attention_mask.sum(1)  # n [B]: each row's real tokens
+    key, device = type(model).__name__ + model.config.to_json_string(), input_ids.device
+    if key not in PACKS:  # a sequence twice in one row, position ids restarting: does its second copy end alike?
+        seq = input_ids[0, attention_mask[0].bool()][None, :16]
+        with torch.no_grad(), torch.autocast(device.type, enabled=False):
+            one, two = (model(input_ids=x, position_ids=torch.arange(seq.shape[1], device=device).repeat(1, r),
+                              use_cache=False).logits[:, -1] for x, r in ((seq, 1), (seq.repeat(1, 2), 2)))
+        PACKS[key] = torch.allclose(one, two, rtol=1e-4, atol=1e-4)
+    prompt = (n - attention_mask[:, S - T:].sum(1))[:, None]  # [B, 1]: real prompt tokens
+    if not PACKS[key] or int(n.min()) == S:
+        index = torch.arange(B, device=device)[:, None] * S + S - T - 1 + torch.arange(T, device=device)  # [B, T]
+        return dict(input_ids=input_ids, attention_mask=attention_mask,
+                    position_ids=position_ids_from(attention_mask)), index
+    lengths, W, widths, base = n.tolist(), int(n.max()), [], [0] * B  # packed rows' widths; sequences' first places
+    for b in sorted(range(B), key=lambda b: -lengths[b]):  # first fit, longest first
+        r = next((r for r, w in enumerate(widths) if w + lengths[b] <= W), len(widths))
+        widths += [0] * (r == len(widths))
+        base[b], widths[r] = r * W + widths[r], widths[r] + lengths[b]
+    base = torch.tensor(base, device=device)
+    within = torch.arange(int(n.sum()), device=device) - torch.repeat_interleave(n.cumsum(0) - n, n)  # [N]
+    flat = torch.repeat_interleave(base, n) + within  # [N] each real token's packed position
+    ids = torch.zeros(len(widths) * W, dtype=torch.long, device=device).index_put((flat,), input_ids[attention_mask.bool()])
+    positions = torch.zeros_like(ids).index_put((flat,), within)
+    index = base[:, None] + (prompt - 1 + torch.arange(T, device=device)).clamp(max=n[:, None] - 1)  # [B, T]
+    return dict(input_ids=ids.view(-1, W), position_ids=positions.view(-1, W)), index
+
+
+def response_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int, chunk: int) -> tuple:
+    """(h [B, T, H], the output layer) at the positions whose logits score the last T tokens of each row, a prompt and
+    a response (input_ids, attention_mask [B, S]): one forward of the packed sequences (packed_inputs)."""
+    inputs, index = packed_inputs(model, input_ids, attention_mask, T)
+    _, h, head = forward_to_head(model, inputs["input_ids"].shape[1], chunk, **inputs)
+    return h.flatten(0, 1)[index], head
+
+
 HEAD_APPLIES: dict[str, bool] = {}  # per model class and config: are its logits its output layer on its last hidden?
 
 
@@ -951,11 +991,16 @@ def forward_to_head(model, keep: int, chunk: int, **inputs) -> tuple:
     return out, out.logits[:, -keep:], torch.nn.Identity()
 
 
-def over_logits(heads: list, hs: list, tokens: torch.Tensor, fn: Callable, chunk: int) -> tuple:
+def over_logits(heads: list, hs: list, tokens: torch.Tensor, fn: Callable, chunk: int, mask=None) -> tuple:
     """fn(*logits, tokens [B, T]) -> [B, T] tensors (or None), each logits a head on its h [B, T, *] (the models' states
     at the same positions): about `chunk` logits a model at a time, recomputed in backward (torch.utils.checkpoint)
-    if there is more than one chunk; all at once if chunk is 0 or h are logits (Identity)."""
+    if there is more than one chunk; all at once if chunk is 0 or h are logits (Identity); with mask [B, T], only
+    there (0 elsewhere)."""
     B, T = tokens.shape
+    if mask is not None:  # the masked positions alone, [1, N], scattered back
+        keep = mask.flatten().nonzero()[:, 0]
+        outs = over_logits(heads, [h.flatten(0, 1)[keep][None] for h in hs], tokens.flatten()[keep][None], fn, chunk)
+        return tuple(None if x is None else x.new_zeros(B * T).index_put((keep,), x[0]).view(B, T) for x in outs)
     whole = chunk <= 0 or any(isinstance(head, torch.nn.Identity) for head in heads)
     rows = B * T if whole else max(1, chunk // heads[0].weight.shape[0])
     if rows >= B * T:  # one chunk holds every position: nothing to recompute, no [B, T, V] above the chunk
@@ -968,11 +1013,11 @@ def over_logits(heads: list, hs: list, tokens: torch.Tensor, fn: Callable, chunk
 
 
 def logprobs_on_support(models: list[tuple], tokens: torch.Tensor, temperature: float, support: tuple,
-                        chunk: int) -> tuple:
+                        chunk: int, mask: torch.Tensor | None = None) -> tuple:
     """token_logprobs of tokens [B, T] under each of `models`, (h, head) at the same positions (forward_to_head), each
     on the support the first one's sampler keeps: the policy's, then the reference's (over_logits: side by side)."""
     return over_logits([head for _, head in models], [h for h, _ in models], tokens, lambda *x: tuple(  # logits, tokens
-        token_logprobs(y, x[-1], temperature, support, support_of=x[0])[0] for y in x[:-1]), chunk)
+        token_logprobs(y, x[-1], temperature, support, support_of=x[0])[0] for y in x[:-1]), chunk, mask)
 
 
 def generation_configs(gen: GenArgs, tokenizer, temperature: float, top_k: int = 0, top_p: float = 1.0,
@@ -983,7 +1028,7 @@ def generation_configs(gen: GenArgs, tokenizer, temperature: float, top_k: int =
         print_once(off_policy_note(gen))
     common = dict(max_new_tokens=gen.max_new_tokens, min_new_tokens=gen.min_new_tokens or None, typical_p=1.0,
                   epsilon_cutoff=0.0, eta_cutoff=0.0, no_repeat_ngram_size=0, encoder_repetition_penalty=1.0,
-                  pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+                  pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, compact_below=gen.compact_below)
     sample = GenerationConfig(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                               repetition_penalty=gen.repetition_penalty, **common)
     return sample, GenerationConfig(do_sample=False, repetition_penalty=1.0, **common)
@@ -1001,6 +1046,8 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float,
                   keep: torch.Tensor | None = None) -> torch.Tensor:
     """logits [..., V] with -inf outside the support that top-k, then top-p, then min-p leave, as `generate` applies
     them; keep [...]: ids kept inside anyway (sampled tokens, which float noise can move past the boundary)."""
+    if not (top_k or top_p < 1.0 or min_p):
+        return logits
     drop = torch.zeros_like(logits, dtype=torch.bool)
     if top_k:
         drop |= logits < logits.topk(min(top_k, logits.shape[-1])).values[..., -1:]
@@ -1017,9 +1064,11 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float,
     return logits.masked_fill(drop, -float("inf"))
 
 
-def next_token(logits: torch.Tensor, seen: torch.Tensor, gen: GenerationConfig, step: int) -> tuple:
+def next_token(logits: torch.Tensor, seen: torch.Tensor | None, gen: GenerationConfig, step: int,
+               u: torch.Tensor | None = None) -> tuple:
     """The next tokens [B] from logits [B, V] as `generate` picks them (repetition penalty over the ids seen [B, L], no
-    EOS before min_new_tokens, then greedy or filtered sampling) and their logprobs [B] as drawn (0 when greedy)."""
+    EOS before min_new_tokens, then greedy or filtered sampling at u [B, 1], torch.rand's draws) and their logprobs [B]
+    as drawn (0 when greedy)."""
     logits = logits.float()
     if gen.repetition_penalty not in (None, 1.0):
         score = logits.gather(1, seen)
@@ -1028,12 +1077,12 @@ def next_token(logits: torch.Tensor, seen: torch.Tensor, gen: GenerationConfig, 
         logits[:, gen.eos_token_id] = -float("inf")
     if not gen.do_sample:
         return logits.argmax(-1), torch.zeros(logits.shape[0], device=logits.device)
-    logits = filter_logits(logits / (gen.temperature or 1.0), gen.top_k or 0, gen.top_p or 1.0, gen.min_p or 0.0)
-    logprobs = logits.log_softmax(-1)  # [B, V]
-    cdf = logprobs.exp().cumsum(-1)  # inverse-CDF sampling: the distribution of torch.multinomial, far cheaper
-    u = (1 - torch.rand(cdf.shape[0], 1, device=cdf.device)) * cdf[:, -1:]  # in (0, total]: never a token of p = 0
-    token = torch.searchsorted(cdf, u)[:, 0]  # the first token whose cumulative probability reaches u
-    return token, logprobs.gather(1, token[:, None])[:, 0]
+    probs = filter_logits(logits / (gen.temperature or 1.0), gen.top_k or 0, gen.top_p or 1.0, gen.min_p or 0.0
+                          ).softmax(-1)  # [B, V]
+    cdf = probs.cumsum(-1)  # inverse-CDF sampling: the distribution of torch.multinomial, far cheaper
+    u = torch.rand(cdf.shape[0], 1, device=cdf.device) if u is None else u
+    token = torch.searchsorted(cdf, (1 - u) * cdf[:, -1:])[:, 0]  # 1 - u in (0, 1]: never a token of p = 0
+    return token, probs.gather(1, token[:, None])[:, 0].log()
 
 
 def cache_length(prompt_length: int, max_new_tokens: int) -> int:
@@ -1069,11 +1118,13 @@ def compiled_decode_step(mode: str) -> Callable:
 
 @torch.no_grad()
 def decode_loop(model, queries: torch.Tensor, attention_mask: torch.Tensor, gen: GenerationConfig,
-                stop: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Responses [B, T] to left-padded queries [B, Lq], sampled as `generate` samples, and each token's logprob [B, T]
-    as drawn (0 after a row ended): one forward over the prompts fills the cache, then one token a step (decode_step).
-    Rows end at EOS (then pad) or when stop(new_ids [B, t]) says so, the loop when every process's have. With
-    gen.compile_config the step is compiled over a static cache (one graph); eager (a sliding window too) it grows."""
+                stop: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Responses [B, T] to left-padded queries [B, Lq], sampled as `generate` samples, each token's logprob [B, T] as
+    drawn (0 after a row ended), and the rows stepped in all: one forward over the prompts fills the cache, then one
+    token a step (decode_step). Rows end at EOS (then pad) or when stop(new_ids [B, t]) says so, the loop when every
+    process's have. With gen.compile_config the step is compiled over a static cache (one graph a batch size); eager
+    (a sliding window too) it grows. Once the live share of the batch falls under gen.compact_below, the finished rows
+    leave it and its cache (compiled: to half the rows, down to a quarter; a finished one stays if none is live)."""
     B, Lq = queries.shape
     T, compiled = gen.max_new_tokens, gen.compile_config is not None
     cache = static_cache(model, B, cache_length(Lq, T)) if compiled else DynamicCache(config=model.config)
@@ -1095,18 +1146,44 @@ def decode_loop(model, queries: torch.Tensor, attention_mask: torch.Tensor, gen:
     position = attention_mask.sum(1, keepdim=True)  # [B, 1]: each row's first new position
     done = torch.zeros(B, dtype=torch.bool, device=queries.device)
     logprobs = torch.zeros(B, T, device=queries.device)  # [B, T]: the sampler's logprob of each token
+    rows, stepped = slice(None), B  # the batch's rows (all, or those left), and rows stepped in all
+    penalty = gen.repetition_penalty not in (None, 1.0)
     for t in range(T):
-        token, logprob = next_token(logits, ids[:, :Lq + t], gen, t)  # [B], [B]
-        token = token.masked_fill(done, gen.pad_token_id)
-        ids[:, Lq + t] = token
-        logprobs[:, t] = logprob.masked_fill(done, 0.0)
-        done |= token == gen.eos_token_id
+        u = torch.rand(B, 1, device=queries.device) if gen.do_sample else None  # every row's: the same draws always
+        token, logprob = next_token(logits, ids[rows, :Lq + t] if penalty else None, gen, t,
+                                    None if u is None else u[rows])  # [b], [b]
+        token = token.masked_fill(done[rows], gen.pad_token_id)
+        ids[rows, Lq + t], logprobs[rows, t] = token, logprob.masked_fill(done[rows], 0.0)
+        done[rows] |= token == gen.eos_token_id
         if stop is not None:
-            done |= stop(ids[:, Lq:Lq + t + 1])
+            done[rows] |= stop(ids[rows, Lq:Lq + t + 1])
         if t == T - 1 or global_sum((~done).sum()) == 0:  # all processes step on until all are done (FSDP: each
             break  # forward gathers the weights from every process)
-        logits = step(model, token[:, None], position + t, mask[:, :C if compiled else Lq + t + 1], cache)
-    return ids[:, Lq:Lq + t + 1], logprobs[:, :t + 1]
+        n, live = len(token), int((~done[rows]).sum())
+        size = -(-n // 2) if compiled else max(live, 1)  # compiled: a graph a batch size
+        if live < (getattr(gen, "compact_below", 0) or 0) * n and live <= size < n and (not compiled or 4 * size >= B):
+            keep = torch.argsort(done[rows].int(), stable=True)[:size]  # the live rows first
+            cache = kept_rows(model, cache, keep, C if compiled else 0)
+            rows, token = torch.arange(B, device=queries.device)[rows][keep], token[keep]
+        logits = step(model, token[:, None], position[rows] + t, mask[rows, :C if compiled else Lq + t + 1], cache)
+        stepped += len(token)
+    return ids[:, Lq:Lq + t + 1], logprobs[:, :t + 1], stepped
+
+
+def kept_rows(model, cache, keep: torch.Tensor, static_length: int):
+    """The cache of the batch's rows `keep` [b]: a growing cache keeps them; a static one (static_length > 0) is copied
+    into the static cache of b rows (static_cache)."""
+    if not static_length:
+        cache.batch_select_indices(keep)
+        return cache
+    small, first = static_cache(model, len(keep), static_length), cache.layers[0]
+    if not small.layers[0].is_initialized:
+        small.early_initialization(len(keep), first.num_heads, first.k_head_dim, first.keys.dtype, first.device)
+    for old, new in zip(cache.layers, small.layers):
+        new.keys.copy_(old.keys[keep])
+        new.values.copy_(old.values[keep])
+        new.cumulative_length.copy_(old.cumulative_length)
+    return small
 
 
 def stop_check(tokenizer, stop_strings: list[str]) -> Callable:
@@ -1125,21 +1202,22 @@ def print_once(message: str) -> None:
 
 @torch.no_grad()
 def generate(policy, tokenizer, queries: torch.Tensor, gen: GenerationConfig, stop_strings: list[str]) -> tuple:
-    """Sample (or greedily decode) responses to left-padded queries: cut_responses' triple and the sampler's logprobs
-    [B, T], by decode_loop; a model whose forward takes no cache object by `generate` (said once; no logprobs)."""
+    """Sample (or greedily decode) responses to left-padded queries: cut_responses' triple, the sampler's logprobs
+    [B, T] and the rows stepped, by decode_loop; a model whose forward takes no cache object by `generate` (said once;
+    no logprobs, every row stepped)."""
     attention_mask = ((queries != tokenizer.pad_token_id).cumsum(1) > 0).long()  # left padding only
     Lq = queries.shape[1]
     stop = stop_check(tokenizer, stop_strings) if stop_strings else None
     if takes_cache(policy):
-        out, logprobs = decode_loop(policy, queries, attention_mask, gen, stop)
+        out, logprobs, stepped = decode_loop(policy, queries, attention_mask, gen, stop)
     else:
         print_once(f"generation through model.generate: {type(policy).__name__}'s forward takes no cache object, so "
                    "the sampler's logprobs are unknown: no sampling/* metrics, no --sampler-correction-cap")
         criteria = StoppingCriteriaList([lambda ids, scores, **kw: stop(ids[:, Lq:])]) if stop else None
         out = policy.generate(input_ids=queries, attention_mask=attention_mask, generation_config=gen,
                               stopping_criteria=criteria, synced_gpus=torch.distributed.is_initialized())[:, Lq:]
-        logprobs = None
-    return *cut_responses(tokenizer, out.cpu(), stop_strings), None if logprobs is None else logprobs.cpu()
+        logprobs, stepped = None, out.numel()
+    return *cut_responses(tokenizer, out.cpu(), stop_strings), None if logprobs is None else logprobs.cpu(), stepped
 
 
 def takes_cache(model: torch.nn.Module) -> bool:
@@ -1244,7 +1322,8 @@ def process_rewards(prm, prm_tokenizer, tokenizer, prompts: list, completion_ids
 
 def rollout(policy, tokenizer, rows: list[dict], gen: GenerationConfig, stop_strings: list[str], task: Task) -> dict:
     """Generate responses to prompt rows and score them: queries [B, Lq], responses [B, T], masks [B, T] (1 on response
-    tokens), sampler logprobs [B, T] or None, scores [B], ended [B], prompts, texts, and a PRM's step scores or None."""
+    tokens), sampler logprobs [B, T] or None, scores [B], ended [B], prompts, texts, a PRM's step scores or None, and
+    decode_live_frac: the share of the decode loop's row steps that made a token of a running response."""
     prompts = [r["prompt"] for r in rows]
     ids = [render_prompt(tokenizer, p) for p in prompts]
     if max(map(len, ids)) + gen.max_new_tokens > task.context:
@@ -1252,7 +1331,8 @@ def rollout(policy, tokenizer, rows: list[dict], gen: GenerationConfig, stop_str
              f"exceeds the model's context of {task.context}; shorten the prompts or lower --max-new-tokens")
     queries = left_pad(ids, tokenizer.pad_token_id)
     device = next(policy.parameters()).device
-    responses, lengths, ended, sampler_logprobs = generate(policy, tokenizer, queries.to(device), gen, stop_strings)
+    responses, lengths, ended, sampler_logprobs, stepped = generate(policy, tokenizer, queries.to(device), gen,
+                                                                    stop_strings)
     completion_ids = [row[:n] for row, n in zip(responses.tolist(), lengths.tolist())]
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     completions = texts if isinstance(prompts[0], str) else [[{"role": "assistant", "content": t}] for t in texts]
@@ -1268,7 +1348,8 @@ def rollout(policy, tokenizer, rows: list[dict], gen: GenerationConfig, stop_str
         task.prm, task.prm_tokenizer, tokenizer, prompts, completion_ids, task.args.prm_separator)
     masks = (torch.arange(responses.shape[1])[None] < lengths[:, None]).long()
     return {"queries": queries, "responses": responses, "masks": masks, "sampler_logprobs": sampler_logprobs,
-            "scores": scores, "ended": ended, "prompts": prompts, "texts": texts, "process": process}
+            "scores": scores, "ended": ended, "prompts": prompts, "texts": texts, "process": process,
+            "decode_live_frac": lengths.sum().item() / stepped}
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

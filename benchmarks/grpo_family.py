@@ -126,7 +126,7 @@ def sampling(args) -> None:
         sample, _ = rloo.generation_configs(rloo.GenArgs(max_new_tokens=4), tokenizer, 1.0, top_k=3, top_p=0.9)
         torch.manual_seed(0)
         with rloo.autocast(dtype, torch.device("cpu")), torch.no_grad():
-            responses, lengths, _, sampler = rloo.generate(model, tokenizer, queries, sample, [])
+            responses, lengths, _, sampler, _ = rloo.generate(model, tokenizer, queries, sample, [])
             valid = torch.arange(responses.shape[1])[None] < lengths[:, None]
             full, _ = rloo.shared_prefix_logprobs(model, queries, responses, valid, tokenizer.pad_token_id, 1.0)
         gap = (full - sampler).abs()[valid]

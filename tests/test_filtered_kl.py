@@ -109,7 +109,7 @@ def sampled_batch(support: tuple, k: int = 4):
     queries = ppo.left_pad([tokenizer(p).input_ids for p in ("3+4=", "12+30=", "7*8=", "1-9=")],
                            tokenizer.pad_token_id).repeat_interleave(k, 0)
     sample, _ = ppo.generation_configs(ppo.GenArgs(max_new_tokens=8), tokenizer, TEMPERATURE, *support)
-    responses, _, _, sampler_logprobs = ppo.generate(model, tokenizer, queries, sample, [])
+    responses, _, _, sampler_logprobs, _ = ppo.generate(model, tokenizer, queries, sample, [])
     return tokenizer, model, queries, responses, sampler_logprobs
 
 

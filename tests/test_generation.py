@@ -75,7 +75,7 @@ def test_generate_takes_the_decode_loop_and_returns_the_cut_triple():
     _, greedy = ppo.generation_configs(ppo.GenArgs(max_new_tokens=8), tokenizer, 1.0)
     mask = ((queries != tokenizer.pad_token_id).cumsum(1) > 0).long()
     expected = model.generate(input_ids=queries, attention_mask=mask, generation_config=greedy)[:, queries.shape[1]:]
-    responses, lengths, ended, _ = ppo.generate(model, tokenizer, queries, greedy, [])
+    responses, lengths, ended, _, _ = ppo.generate(model, tokenizer, queries, greedy, [])
     assert torch.equal(responses, ppo.cut_responses(tokenizer, expected, [])[0])
     assert lengths.tolist() == [8 if tokenizer.eos_token_id not in row else row.index(tokenizer.eos_token_id) + 1
                                 for row in expected.tolist()]
@@ -236,9 +236,9 @@ def test_stop_strings_end_rows_during_decoding():
     model = ppo.build_tiny_model(tokenizer)
     queries = ppo.left_pad([tokenizer("3+4=").input_ids, tokenizer("12+30=").input_ids], tokenizer.pad_token_id)
     _, greedy = ppo.generation_configs(ppo.GenArgs(max_new_tokens=16), tokenizer, 1.0)
-    full, _, _, _ = ppo.generate(model, tokenizer, queries, greedy, [])
+    full, _, _, _, _ = ppo.generate(model, tokenizer, queries, greedy, [])
     stop = tokenizer.decode(full[0, 1:3])  # two characters row 0 produces early
-    responses, lengths, ended, _ = ppo.generate(model, tokenizer, queries, greedy, [stop])
+    responses, lengths, ended, _, _ = ppo.generate(model, tokenizer, queries, greedy, [stop])
     assert ended[0] and lengths[0] <= 3
     expected = ppo.cut_responses(tokenizer, full, [stop])
     assert torch.equal(responses, expected[0][:, :responses.shape[1]]) and torch.equal(lengths, expected[1])
@@ -266,7 +266,7 @@ def test_a_model_whose_forward_takes_no_cache_object_goes_through_generate_said_
     _, greedy = ppo.generation_configs(ppo.GenArgs(max_new_tokens=8), tokenizer, 1.0)
     ppo.print_once.cache_clear()
     for _ in range(2):
-        responses, _, _, _ = ppo.generate(model, tokenizer, queries, greedy, [])
+        responses, _, _, _, _ = ppo.generate(model, tokenizer, queries, greedy, [])
     assert capsys.readouterr().out == ("generation through model.generate: PastKeyValuesLM's forward takes no cache "
                                        "object, so the sampler's logprobs are unknown: no sampling/* metrics, no "
                                        "--sampler-correction-cap\n")
@@ -328,7 +328,7 @@ def test_sliding_window_layers_decode_eagerly_under_compile_said_once(capsys):
         model = tiny(MistralConfig, vocab_size=len(tokenizer), sliding_window=window)
         expected = model.generate(input_ids=queries, attention_mask=mask,
                                   generation_config=GenerationConfig(**greedy.to_diff_dict()))[:, queries.shape[1]:]
-        responses, _, _, _ = ppo.generate(model, tokenizer, queries, greedy, [])
+        responses, _, _, _, _ = ppo.generate(model, tokenizer, queries, greedy, [])
         assert torch.equal(responses, ppo.cut_responses(tokenizer, expected.cpu(), [])[0]), window
     assert capsys.readouterr().out == ("--compile: MistralForCausalLM keeps a sliding window (or another cache than a "
                                        "plain static one) in some layer, which the compiled decode step cannot take: "

@@ -267,7 +267,7 @@ def test_filtered_sampling_is_on_policy():
     model = rloo.build_tiny_model(tokenizer)
     queries = torch.tensor([tokenizer("3+5=").input_ids, tokenizer("2+2=").input_ids]).repeat_interleave(8, 0)
     sample, _ = rloo.generation_configs(rloo.GenArgs(max_new_tokens=6), tokenizer, 1.0, top_k=3, top_p=0.9)
-    responses, lengths, _, sampler = rloo.generate(model, tokenizer, queries, sample, [])
+    responses, lengths, _, sampler, _ = rloo.generate(model, tokenizer, queries, sample, [])
     valid = torch.arange(responses.shape[1])[None] < lengths[:, None]
     with torch.no_grad():
         exact, _ = rloo.shared_prefix_logprobs(model, queries[::8], responses, valid, tokenizer.pad_token_id, 1.0,

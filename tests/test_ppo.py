@@ -181,15 +181,16 @@ def test_masked_tokens_get_no_gradient_and_no_kl():
     metrics = ppo.ppo_step(policy, value, ref, optimizer, queries, responses, torch.ones(8), masks, hp=hp,
                            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     handle.remove()
-    (grad,) = grads
-    per_position = grad[:, :-1].abs().sum(-1)  # [B, T]: gradient reaching the logits that predict each response token
+    (grad,) = grads  # [rows, width, V]: the logits of the forward, packed or not (packed_inputs)
+    input_ids = torch.cat([queries, responses], 1)
+    attention = torch.cat([(queries != tokenizer.pad_token_id).cumsum(1) > 0,
+                           torch.tensor([[1, 1, 1, 1, 0]] * 8).bool()], 1).long()
+    index = ppo.packed_inputs(policy, input_ids, attention, 5)[1]  # [B, T]: where each response token is scored
+    per_position = grad.flatten(0, 1)[index].abs().sum(-1)  # [B, T]: gradient reaching the logits of each token
     assert (per_position[:, [1, 2, 4]] == 0).all()
     assert (per_position[:, [0, 3]] > 0).all()
     # the KL in the metrics counts only the trained tokens (0 and 3)
     with torch.no_grad():
-        input_ids = torch.cat([queries, responses], 1)
-        attention = torch.cat([(queries != tokenizer.pad_token_id).cumsum(1) > 0,
-                               torch.tensor([[1, 1, 1, 1, 0]] * 8).bool()], 1).long()
         policy_before = make_models()[1]
         lp, _ = ppo.response_logprobs(policy_before, input_ids, attention, responses, 1.0)
         rp, _ = ppo.response_logprobs(ref, input_ids, attention, responses, 1.0)

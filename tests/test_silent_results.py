@@ -43,7 +43,7 @@ def test_generate_samples_what_the_flags_say_not_the_models_generation_config(ca
     sample, _ = ppo.generation_configs(ppo.GenArgs(max_new_tokens=1), tokenizer, 1.0)
     queries = torch.tensor([tokenizer("3+4=").input_ids] * 200)
     ppo.print_once.cache_clear()
-    responses, _, _, sampler_logprobs = ppo.generate(model, tokenizer, queries, sample, [])
+    responses, _, _, sampler_logprobs, _ = ppo.generate(model, tokenizer, queries, sample, [])
     assert sampler_logprobs is None
     assert len(set(responses[:, 0].tolist())) > 10
     out = capsys.readouterr().out
