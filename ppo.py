@@ -215,9 +215,8 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, support: tuple = (0, 1.0, 0.0),
                    with_entropy: bool = False, entropy_grad: bool = False, support_of: torch.Tensor | None = None
                    ) -> tuple:
-    """Logprobs [B, T] of tokens [B, T] under logits [B, T, V] (or [N], [N, V]) as the sampler drew them: divided by
-    the temperature, renormalised over the support the filters (top_k, top_p, min_p) keep on them or on `support_of`
-    (filter_logits; each sampled token stays inside); and that entropy, differentiable only if entropy_grad."""
+    """Logprobs [B, T] of tokens under logits [B, T, V] (or [N, V]) as sampled: / temperature, on the support the
+    filters (top_k, top_p, min_p) keep on them or on `support_of`; and that entropy, differentiable if entropy_grad."""
     logits = logits.float() / temperature  # [B, T, V] (or a chunk [N, V] from over_logits)
     if tuple(support) != (0, 1.0, 0.0):
         sampler = (logits if support_of is None else support_of.float() / temperature).detach()
@@ -232,8 +231,7 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
 
 
 def sampler_metrics(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor) -> dict:
-    """The sampler's logprobs [B, T] of the trained tokens (mask [B, T]) against the trainer's old ones, as TRL logs
-    them: |old - sampler|'s mean and max, exp(old - sampler)'s min, mean and max (float noise at equal weights)."""
+    """The sampler's logprobs [B, T] against the trainer's old ones on mask [B, T], as TRL logs them."""
     diff = (old_logprobs - sampler_logprobs)[mask] if mask.any() else torch.zeros(1, device=mask.device)  # [N]
     ratio = diff.exp()
     return {"sampling/sampling_logp_difference/mean": diff.abs().mean().item(),
@@ -255,11 +253,10 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float) -
 def response_logprobs(policy, input_ids, attention_mask, responses: torch.Tensor, temperature: float,
                       support: tuple = (0, 1.0, 0.0), with_entropy: bool = False, entropy_grad: bool = False,
                       chunk: int = 0) -> tuple:
-    """token_logprobs' logprobs [B, T] and entropy [B, T] of the response tokens (0 on padding), support (top_k, top_p,
-    min_p) as the sampler's, from the logits at response positions, about `chunk` at a time (over_logits)."""
+    """token_logprobs' logprobs and entropy [B, T] of the responses (0 on padding), `chunk` logits at a time."""
     h, head = response_hidden(policy, input_ids, attention_mask, responses.shape[1], chunk)
-    return over_logits([head], [h], responses, lambda x, t: token_logprobs(x, t, temperature, support, with_entropy,
-                                                                              entropy_grad), chunk, attention_mask[:, -responses.shape[1]:])
+    fn = lambda x, t: token_logprobs(x, t, temperature, support, with_entropy, entropy_grad)
+    return over_logits([head], [h], responses, fn, chunk, attention_mask[:, -responses.shape[1]:])
 
 
 def response_values(value_model, input_ids, attention_mask, T: int) -> torch.Tensor:
@@ -269,10 +266,9 @@ def response_values(value_model, input_ids, attention_mask, T: int) -> torch.Ten
 
 
 def step_rewards(steps: list[tuple[int, float]], weight: float) -> list[tuple[int, float]]:
-    """Process rewards of one response from its (token index, p) steps, as potential-based shaping (Ng et al. 1999):
-    potential w x min(p_1..p_k) after k steps, 0 before and at the end; step k gets the change on its last token, the
-    last token -(final potential) (index -1). They sum to 0: no optimal policy changes, only when credit comes (a
-    plain sum of step scores pays for writing steps: PPO learns to write one confident step and stop)."""
+    """Process rewards of one response's (token index, p) steps as potential-based shaping (Ng et al. 1999): potential
+    w x min(p_1..p_k) after step k, 0 before and at the end; each step the change (last token: -final). They sum to 0:
+    they move when credit comes, not the optimum (a plain sum of step scores pays PPO to write one confident step)."""
     out, low, previous = [], 1.0, 0.0
     for j, p in steps:
         low = min(low, p)
@@ -282,8 +278,7 @@ def step_rewards(steps: list[tuple[int, float]], weight: float) -> list[tuple[in
 
 
 def token_rewards(scores: torch.Tensor, masks: torch.Tensor, process: list | None, weight: float) -> torch.Tensor:
-    """What ppo_step gets: the scores [B] alone, or with process rewards per token [B, T]: each step's reward on the
-    token where the step ends, the score on the last token of the response."""
+    """What ppo_step gets: scores [B], or with a PRM [B, T]: each step's reward where it ends, the score at the end."""
     if process is None:
         return scores
     rewards = torch.zeros(masks.shape)
@@ -447,12 +442,9 @@ def main(args: Args) -> None:
     tokenizer, policy = load_policy(args.model, args.trust_remote_code)
     # 7. Models: the reference is a frozen copy of the policy (LoRA: the policy, adapters off); a one-label value model.
     ref_policy = None if args.memory.lora_r else disable_dropout(copy.deepcopy(policy)).eval().requires_grad_(False)
-    if args.value_model or args.task.reward_model:
-        flag = "--value-model" if args.value_model else "--reward-model"
-        value_model = load_pretrained(AutoModelForTokenClassification, args.value_model or args.task.reward_model,
-                                      flag, args.trust_remote_code, num_labels=1)
-    else:
-        value_model = token_classifier_from(policy, 1, "--model", "give --value-model", args.trust_remote_code)
+    source, flag = args.value_model or args.task.reward_model, "--value-model" if args.value_model else "--reward-model"
+    value_model = load_pretrained(AutoModelForTokenClassification, source, flag, args.trust_remote_code, num_labels=1) \
+        if source else token_classifier_from(policy, 1, "--model", "give --value-model", args.trust_remote_code)
     value_model.config.pad_token_id = tokenizer.pad_token_id
     policy, value_model = with_lora(policy, args.memory), with_lora(value_model, args.memory)
     task = load_task(args.task, tokenizer, model_context(policy), gen.max_new_tokens, args.trust_remote_code, world)
@@ -604,8 +596,7 @@ class TaskArgs:
     num_eval_prompts: int = 100
     """size of the fixed evaluation set (the built-in task always uses all its 100 sums)"""
     reward_fn: list[str] = field(default_factory=list)
-    """reward functions (module:function or path/file.py:function), called as TRL calls them:
-    fn(prompts, completions, completion_ids=..., **columns) -> list[float]"""
+    """reward functions, module:function or file.py:function, called as by TRL: fn(prompts, completions, **columns)"""
     reward_weights: list[float] | None = None
     """one weight per --reward-fn (None: all 1.0)"""
     reward_model: str | None = None
@@ -619,13 +610,11 @@ class TaskArgs:
     eval_num_samples: int = 0
     """sampled completions per evaluation prompt besides the greedy one, for eval/pass@k and eval/maj@N (0: off)"""
     answer_fn: str | None = None
-    """eval/maj@N's vote: fn(completion text) -> its answer, or None (module:function or path/file.py:function; the
-    built-in task's: the text itself); without one, maj@N is not logged"""
+    """what maj@N votes on: fn(completion text) -> answer or None (module:function; built-in task: the text itself)"""
     prm_model: str | None = None
     """a process reward model (two-label token classifier, e.g. from stepwise_prm.py) that rewards each step"""
     prm_weight: float = 1.0
-    """weight w of the process rewards: ppo.py shapes with the potential w x min(p_1..p_k) (see step_rewards);
-    rloo.py adds w x the --prm-aggregate of the step scores to each response's score"""
+    """weight w of the process rewards: ppo.py shapes by w x min(p_1..p_k) (step_rewards), rloo.py adds w x aggregate"""
     prm_separator: str = "\n"
     """what ends a step in a response (as in the PRM's training data)"""
 
@@ -711,8 +700,7 @@ def fp32_output_layer(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def token_classifier_from(lm, num_labels: int, flag: str, fix: str, trust_remote_code: bool = False) -> Any:
-    """A token classifier (num_labels outputs per token: a value model, a PRM) with a causal LM's weights under a
-    fresh head; `fix` completes the one-line error when the classifier cannot take those weights."""
+    """A token classifier (value model, PRM) with a causal LM's weights under a fresh head, or one line with `fix`."""
     config = copy.deepcopy(lm.config)
     config.num_labels = num_labels
     model = AutoModelForTokenClassification.from_config(config, trust_remote_code=trust_remote_code)
@@ -723,8 +711,7 @@ def token_classifier_from(lm, num_labels: int, flag: str, fix: str, trust_remote
 
 
 def with_lora(model, lora: MemoryArgs) -> torch.nn.Module:
-    """The model with fresh LoRA adapters (peft) if --lora-r > 0, they and a classifier's head trained, the rest frozen;
-    with --gradient-checkpointing, its layers recompute activations in backward (in training mode: set here)."""
+    """The model with fresh LoRA adapters (peft; they and a classifier's head train) and --gradient-checkpointing."""
     if lora.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
@@ -748,8 +735,7 @@ def with_lora(model, lora: MemoryArgs) -> torch.nn.Module:
 
 
 def adamw(models: list, lr: float, weight_decay: float, eps: float = 1e-5) -> torch.optim.AdamW:
-    """AdamW over the models' parameters that train (all, or with LoRA the adapters and a classifier's head), decayed
-    as transformers' Trainer decays them: every one but biases and normalisation weights (with no decay, one group)."""
+    """AdamW over what trains, decayed as transformers' Trainer decays: not biases, norm weights (0: one group)."""
     named = [(f"{i}.{n}", p) for i, m in enumerate(models) for n, p in m.named_parameters() if p.requires_grad]
     decay = {f"{i}.{n}" for i, m in enumerate(models) for n in get_parameter_names(m, [torch.nn.LayerNorm], [
         r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"])}  # Trainer's patterns
@@ -822,8 +808,7 @@ def render_prompt(tokenizer, prompt: str | list) -> list[int]:
 
 @dataclass
 class Task:
-    """A loaded task (load_task): flags, prompt source (fn(rng) -> row, or a dataset), evaluation rows, reward functions
-    (spec, fn) and weights, reward model and PRM with their tokenizers, the policy's context, the answer function."""
+    """A loaded task (load_task): its flags, prompt source and evaluation rows, its scorers and the answer function."""
 
     args: TaskArgs
     source: Callable | datasets.Dataset
@@ -885,8 +870,7 @@ def load_task(task: TaskArgs, tokenizer, context: int, max_new_tokens: int, trus
 
 
 def draw_rows(task: Task, state: dict, n: int, seed: int) -> list[dict]:
-    """The next n prompt rows: a dataset walked in a fresh seeded order each epoch, or a prompt function called with a
-    random.Random; `state` keeps the position (or the generator's state) as plain data, for checkpoints."""
+    """The next n prompt rows (a dataset in a seeded order each epoch, or a prompt function); `state`: the place."""
     source = task.source
     if callable(source):
         rng = random.Random()
@@ -920,25 +904,25 @@ def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.cumsum(1) - 1).clamp(min=0)
 
 
-PACKS: dict[str, bool] = {}  # per model class and config: do sequences packed in one row stay apart?
+CHECKED: dict[tuple, bool] = {}  # per model class and config, once: "head": are its logits its output layer on its
+# last hidden state? "packs": do sequences packed in one row stay apart?
 
 
 def packed_inputs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int) -> tuple:
     """The forward's inputs for rows of a left-padded prompt and a right-padded response of T tokens (input_ids and
-    attention_mask [B, S]), and index [B, T]: the flattened output position whose logits score each response token.
-    Where rows are padded, their real tokens are packed, longest first, into rows as wide as the longest, position
-    ids from 0 for each and no mask: transformers keeps them apart (checked once per model: else, and where nothing
-    is padded, the rows go as they are). Nothing is computed on padding but a packed row's tail."""
+    attention_mask [B, S]), and index [B, T], the flat output position scoring each response token. Padded rows' real
+    tokens are packed, longest first, into rows as wide as the longest, position ids from 0 for each and no mask, which
+    transformers keeps apart (checked once per model); else, and with no padding, the rows go as they are."""
     (B, S), n = input_ids.shape, attention_mask.sum(1)  # n [B]: each row's real tokens
     key, device = type(model).__name__ + model.config.to_json_string(), input_ids.device
-    if key not in PACKS:  # a sequence twice in one row, position ids restarting: does its second copy end alike?
+    if (key, "packs") not in CHECKED:  # a sequence twice in a row, position ids restarting: do both copies end alike?
         seq = input_ids[0, attention_mask[0].bool()][None, :16]
         with torch.no_grad(), torch.autocast(device.type, enabled=False):
             one, two = (model(input_ids=x, position_ids=torch.arange(seq.shape[1], device=device).repeat(1, r),
                               use_cache=False).logits[:, -1] for x, r in ((seq, 1), (seq.repeat(1, 2), 2)))
-        PACKS[key] = torch.allclose(one, two, rtol=1e-4, atol=1e-4)
+        CHECKED[key, "packs"] = torch.allclose(one, two, rtol=1e-4, atol=1e-4)
     prompt = (n - attention_mask[:, S - T:].sum(1))[:, None]  # [B, 1]: real prompt tokens
-    if not PACKS[key] or int(n.min()) == S:
+    if not CHECKED[key, "packs"] or int(n.min()) == S:
         index = torch.arange(B, device=device)[:, None] * S + S - T - 1 + torch.arange(T, device=device)  # [B, T]
         return dict(input_ids=input_ids, attention_mask=attention_mask,
                     position_ids=position_ids_from(attention_mask)), index
@@ -950,40 +934,35 @@ def packed_inputs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
     base = torch.tensor(base, device=device)
     within = torch.arange(int(n.sum()), device=device) - torch.repeat_interleave(n.cumsum(0) - n, n)  # [N]
     flat = torch.repeat_interleave(base, n) + within  # [N] each real token's packed position
-    ids = torch.zeros(len(widths) * W, dtype=torch.long, device=device).index_put((flat,), input_ids[attention_mask.bool()])
-    positions = torch.zeros_like(ids).index_put((flat,), within)
+    ids = torch.zeros(len(widths) * W, dtype=torch.long, device=device)
+    ids, positions = ids.index_put((flat,), input_ids[attention_mask.bool()]), ids.index_put((flat,), within)
     index = base[:, None] + (prompt - 1 + torch.arange(T, device=device)).clamp(max=n[:, None] - 1)  # [B, T]
     return dict(input_ids=ids.view(-1, W), position_ids=positions.view(-1, W)), index
 
 
 def response_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int, chunk: int) -> tuple:
-    """(h [B, T, H], the output layer) at the positions whose logits score the last T tokens of each row, a prompt and
-    a response (input_ids, attention_mask [B, S]): one forward of the packed sequences (packed_inputs)."""
+    """(h [B, T, H], the output layer) where the logits score each row's last T tokens: one packed forward."""
     inputs, index = packed_inputs(model, input_ids, attention_mask, T)
     _, h, head = forward_to_head(model, inputs["input_ids"].shape[1], chunk, **inputs)
     return h.flatten(0, 1)[index], head
 
 
-HEAD_APPLIES: dict[str, bool] = {}  # per model class and config: are its logits its output layer on its last hidden?
-
-
 def forward_to_head(model, keep: int, chunk: int, **inputs) -> tuple:
-    """The model's forward and its last `keep` positions as (output, h, head), head(h) the logits: with chunk > 0, h is
-    the decoder's output [B, keep, H] (a hook; no other layer's is kept, and the whole model runs so that FSDP's root
-    gathers its weights) and head the output layer; with chunk 0, or logits that are not that (a soft-cap; checked
-    once per model, said once), h is the logits. No key/value cache is made unless one is passed or asked for."""
+    """The model's forward and its last `keep` positions as (output, h, head), head(h) the logits: with chunk > 0, h the
+    decoder's output [B, keep, H] (a hook: no other layer's kept; the whole model runs, so FSDP gathers) and the
+    output layer; with chunk 0, or logits that are not that (a soft-cap; checked once, said once), the logits."""
     head, inputs = model.get_output_embeddings(), {"use_cache": "cache" in inputs, **inputs}  # a cache if asked for
     key = type(model).__name__ + model.config.to_json_string()
-    if chunk > 0 and head is not None and HEAD_APPLIES.get(key, True):
+    if chunk > 0 and head is not None and CHECKED.get((key, "head"), True):
         hidden = []  # the decoder's output, from a hook removed when the forward ends
         with model.get_decoder().register_forward_hook(lambda module, args, output: hidden.append(output[0])):
             out = model(**inputs, logits_to_keep=1)
         h = hidden[0][:, -keep:]  # [B, keep, H]
-        if key not in HEAD_APPLIES:
+        if (key, "head") not in CHECKED:
             with torch.no_grad():
-                HEAD_APPLIES[key] = getattr(model.config, "final_logit_softcapping", None) is None and torch.allclose(
-                    head(h[:, -1:]), out.logits.float(), rtol=1e-4, atol=1e-5)
-        if HEAD_APPLIES[key]:
+                CHECKED[key, "head"] = getattr(model.config, "final_logit_softcapping", None) is None and \
+                    torch.allclose(head(h[:, -1:]), out.logits.float(), rtol=1e-4, atol=1e-5)
+        if CHECKED[key, "head"]:
             return out, h, head
         print_once(f"{type(model).__name__}'s logits are not its output layer on its last hidden state: the logprob "
                    "passes make the whole [B, T, V] logits (--logits-chunk does not apply)")
@@ -992,10 +971,9 @@ def forward_to_head(model, keep: int, chunk: int, **inputs) -> tuple:
 
 
 def over_logits(heads: list, hs: list, tokens: torch.Tensor, fn: Callable, chunk: int, mask=None) -> tuple:
-    """fn(*logits, tokens [B, T]) -> [B, T] tensors (or None), each logits a head on its h [B, T, *] (the models' states
-    at the same positions): about `chunk` logits a model at a time, recomputed in backward (torch.utils.checkpoint)
-    if there is more than one chunk; all at once if chunk is 0 or h are logits (Identity); with mask [B, T], only
-    there (0 elsewhere)."""
+    """fn(*logits, tokens [B, T]) -> [B, T] tensors (or None), each logits a head on its h [B, T, *], about `chunk`
+    logits a model at a time, recomputed in backward (checkpoint) if more than one chunk, all at once for chunk 0 or
+    logits (Identity); with mask [B, T], only there (0 elsewhere)."""
     B, T = tokens.shape
     if mask is not None:  # the masked positions alone, [1, N], scattered back
         keep = mask.flatten().nonzero()[:, 0]
@@ -1022,13 +1000,13 @@ def logprobs_on_support(models: list[tuple], tokens: torch.Tensor, temperature: 
 
 def generation_configs(gen: GenArgs, tokenizer, temperature: float, top_k: int = 0, top_p: float = 1.0,
                        min_p: float = 0.0) -> tuple[GenerationConfig, GenerationConfig]:
-    """The sampling configuration for rollouts and the greedy one for evaluation, every filter set (`generate` fills
-    an unset one from the model's generation_config); the off-policy note once, for --min-new-tokens or a penalty."""
+    """The rollouts' sampling and evaluation's greedy GenerationConfig, every filter set (the off-policy note once)."""
     if off_policy_note(gen) and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
         print_once(off_policy_note(gen))
     common = dict(max_new_tokens=gen.max_new_tokens, min_new_tokens=gen.min_new_tokens or None, typical_p=1.0,
                   epsilon_cutoff=0.0, eta_cutoff=0.0, no_repeat_ngram_size=0, encoder_repetition_penalty=1.0,
-                  pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, compact_below=gen.compact_below)
+                  pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                  compact_below=gen.compact_below)
     sample = GenerationConfig(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                               repetition_penalty=gen.repetition_penalty, **common)
     return sample, GenerationConfig(do_sample=False, repetition_penalty=1.0, **common)
@@ -1044,8 +1022,7 @@ def off_policy_note(gen: GenArgs) -> str:
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float,
                   keep: torch.Tensor | None = None) -> torch.Tensor:
-    """logits [..., V] with -inf outside the support that top-k, then top-p, then min-p leave, as `generate` applies
-    them; keep [...]: ids kept inside anyway (sampled tokens, which float noise can move past the boundary)."""
+    """logits [..., V] with -inf outside what top-k, then top-p, then min-p keep, as `generate`; keep [...] stays in."""
     if not (top_k or top_p < 1.0 or min_p):
         return logits
     drop = torch.zeros_like(logits, dtype=torch.bool)
@@ -1066,9 +1043,8 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float,
 
 def next_token(logits: torch.Tensor, seen: torch.Tensor | None, gen: GenerationConfig, step: int,
                u: torch.Tensor | None = None) -> tuple:
-    """The next tokens [B] from logits [B, V] as `generate` picks them (repetition penalty over the ids seen [B, L], no
-    EOS before min_new_tokens, then greedy or filtered sampling at u [B, 1], torch.rand's draws) and their logprobs [B]
-    as drawn (0 when greedy)."""
+    """The next tokens [B] from logits [B, V] as `generate` picks them (repetition penalty on `seen`, no EOS before
+    min_new_tokens, greedy or sampled at u [B, 1], torch.rand's) and their logprobs [B] as drawn (0 when greedy)."""
     logits = logits.float()
     if gen.repetition_penalty not in (None, 1.0):
         score = logits.gather(1, seen)
@@ -1085,22 +1061,15 @@ def next_token(logits: torch.Tensor, seen: torch.Tensor | None, gen: GenerationC
     return token, probs.gather(1, token[:, None])[:, 0].log()
 
 
-def cache_length(prompt_length: int, max_new_tokens: int) -> int:
-    """decode_loop's cache length: prompt + new tokens, up to a multiple of 16 (batches share one compiled shape)."""
-    return -(-(prompt_length + max_new_tokens) // 16) * 16
-
-
 def decode_step(model, token: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
                 cache: DynamicCache | StaticCache) -> torch.Tensor:
-    """Logits [B, V] for one new token per row, token [B, 1] at position_ids [B, 1], by the model's own forward, which
-    writes the cache; attention_mask covers it: a static cache's C slots (one graph), or the tokens so far."""
+    """Logits [B, V] of one new token a row (token, position_ids [B, 1]) by the model's forward, filling the cache."""
     return model(input_ids=token, position_ids=position_ids, attention_mask=attention_mask, cache=cache,
                  use_cache=True).logits[:, -1]
 
 
 def static_cache(model, batch_size: int, length: int) -> StaticCache:
-    """An empty static key/value cache of batch_size rows and length tokens for the compiled step, one per shape and
-    autocast dtype (it sets the cache's dtypes), kept on the model: a CUDA graph replays only at the same addresses."""
+    """The static cache of batch_size rows and length tokens, one per shape and dtype, kept (CUDA graphs)."""
     device = model.device.type
     key = (batch_size, length, torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device))
     caches = model.__dict__.setdefault("decode_caches", {})
@@ -1119,26 +1088,23 @@ def compiled_decode_step(mode: str) -> Callable:
 @torch.no_grad()
 def decode_loop(model, queries: torch.Tensor, attention_mask: torch.Tensor, gen: GenerationConfig,
                 stop: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Responses [B, T] to left-padded queries [B, Lq], sampled as `generate` samples, each token's logprob [B, T] as
-    drawn (0 after a row ended), and the rows stepped in all: one forward over the prompts fills the cache, then one
-    token a step (decode_step). Rows end at EOS (then pad) or when stop(new_ids [B, t]) says so, the loop when every
-    process's have. With gen.compile_config the step is compiled over a static cache (one graph a batch size); eager
-    (a sliding window too) it grows. Once the live share of the batch falls under gen.compact_below, the finished rows
-    leave it and its cache (compiled: to half the rows, down to a quarter; a finished one stays if none is live)."""
-    B, Lq = queries.shape
-    T, compiled = gen.max_new_tokens, gen.compile_config is not None
-    cache = static_cache(model, B, cache_length(Lq, T)) if compiled else DynamicCache(config=model.config)
-    # a sliding-window layer's static cache counts its tokens in a Python int, which the compiled step would keep at
-    # its first value (wrong tokens, silently): such a model decodes eagerly
+    """Responses [B, T] to left-padded queries [B, Lq] sampled as `generate` does, the logprob [B, T] of each token as
+    drawn (0 after a row ended) and the rows stepped: a forward of the prompts fills the cache, then a token a step.
+    Rows end at EOS or stop(new_ids [B, t]), the loop when every process's have. Compiled (gen.compile_config): a
+    static cache, a graph a batch size; eager it grows. Below gen.compact_below live, finished rows leave the batch
+    (compiled: to half, down to a quarter; one stays if none is live: FSDP's forwards are collectives)."""
+    (B, Lq), T, compiled = queries.shape, gen.max_new_tokens, gen.compile_config is not None
+    length = -(-(Lq + T) // 16) * 16  # a static cache's: prompt and response, up to 16s (batches share a graph)
+    cache = static_cache(model, B, length) if compiled else DynamicCache(config=model.config)
+    # a sliding-window layer's static cache counts tokens in a Python int, frozen in a compiled step: eager then
     if compiled and any(type(layer) is not StaticLayer for layer in cache.layers):
         print_once(f"--compile: {type(model).__name__} keeps a sliding window (or another cache than a plain static "
                    "one) in some layer, which the compiled decode step cannot take: it decodes eagerly")
         compiled, cache = False, DynamicCache(config=model.config)
-    C = cache_length(Lq, T) if compiled else Lq + T
+    C = length if compiled else Lq + T
     mask = torch.nn.functional.pad(attention_mask, (0, C - Lq), value=1)  # [B, C]: 0 on left padding only
     step = compiled_decode_step(gen.compile_config.mode) if compiled else decode_step
-    # the prompts in one forward, eager even under --compile: a compiled forward would trace the cache's first fill
-    # and leave its tensors unfit for CUDA graphs
+    # the prompts in one eager forward: a compiled one would trace the cache's first fill, unfit for CUDA graphs
     with torch.compiler.set_stance("force_eager"):
         logits = model(input_ids=queries, attention_mask=mask[:, :C if compiled else Lq], use_cache=True,
                        position_ids=position_ids_from(attention_mask), logits_to_keep=1, cache=cache).logits[:, -1]
@@ -1171,24 +1137,19 @@ def decode_loop(model, queries: torch.Tensor, attention_mask: torch.Tensor, gen:
 
 
 def kept_rows(model, cache, keep: torch.Tensor, static_length: int):
-    """The cache of the batch's rows `keep` [b]: a growing cache keeps them; a static one (static_length > 0) is copied
-    into the static cache of b rows (static_cache)."""
+    """The cache of the batch's rows `keep` [b]: a growing cache selects them; a static one copies them into b rows'."""
     if not static_length:
         cache.batch_select_indices(keep)
         return cache
-    small, first = static_cache(model, len(keep), static_length), cache.layers[0]
-    if not small.layers[0].is_initialized:
-        small.early_initialization(len(keep), first.num_heads, first.k_head_dim, first.keys.dtype, first.device)
+    small = static_cache(model, len(keep), static_length)
     for old, new in zip(cache.layers, small.layers):
-        new.keys.copy_(old.keys[keep])
-        new.values.copy_(old.values[keep])
+        new.update(old.keys[keep], old.values[keep])  # every slot copied (allocated at the first copy)
         new.cumulative_length.copy_(old.cumulative_length)
     return small
 
 
 def stop_check(tokenizer, stop_strings: list[str]) -> Callable:
-    """stop(new_ids [B, t]) -> [B] bool: a stop string shows in a row's text. Only the last n + 1 tokens are decoded:
-    a stop string of n bytes lies within n tokens, and one more keeps a leading space decoders drop from a text."""
+    """stop(new_ids [B, t]) -> [B] bool: a stop string shows in the decoded last (longest stop string + 1) tokens."""
     width = 1 + max(len(s.encode()) for s in stop_strings)
     return lambda new_ids: torch.tensor([any(s in text for s in stop_strings) for text in
                                          tokenizer.batch_decode(new_ids[:, -width:])], device=new_ids.device)
@@ -1202,9 +1163,8 @@ def print_once(message: str) -> None:
 
 @torch.no_grad()
 def generate(policy, tokenizer, queries: torch.Tensor, gen: GenerationConfig, stop_strings: list[str]) -> tuple:
-    """Sample (or greedily decode) responses to left-padded queries: cut_responses' triple, the sampler's logprobs
-    [B, T] and the rows stepped, by decode_loop; a model whose forward takes no cache object by `generate` (said once;
-    no logprobs, every row stepped)."""
+    """Responses to left-padded queries: cut_responses' triple, the sampler's logprobs [B, T] and the rows stepped, by
+    decode_loop; a model whose forward takes no cache object by `generate` (said once; no logprobs)."""
     attention_mask = ((queries != tokenizer.pad_token_id).cumsum(1) > 0).long()  # left padding only
     Lq = queries.shape[1]
     stop = stop_check(tokenizer, stop_strings) if stop_strings else None
@@ -1227,8 +1187,7 @@ def takes_cache(model: torch.nn.Module) -> bool:
 
 
 def cut_responses(tokenizer, responses: torch.Tensor, stop_strings: list[str]) -> tuple:
-    """Cut each response after its first EOS or stop string (kept) and pad the rest: responses [B, T], lengths [B],
-    ended [B]. A stop string cuts after the first token whose decoded prefix holds it, found by bisection."""
+    """Responses cut after their first EOS or stop string (bisected), padded: responses [B, T], lengths, ended [B]."""
     rows, lengths, ended = responses.tolist(), [], []
 
     def holds_stop(ids: list[int]) -> bool:
@@ -1276,8 +1235,7 @@ def call_reward_fns(reward_fns: list, weights: list[float], prompts: list, compl
 
 @torch.no_grad()
 def reward_model_scores(reward_model, rm_tokenizer, prompts: list, texts: list[str]) -> torch.Tensor:
-    """Score [B] of each prompt and completion by a one-label sequence classifier: a string prompt and the text, or
-    chat messages (as TRL gives them) and an assistant message, rendered with the reward model's own chat template."""
+    """Scores [B] by a one-label sequence classifier: prompt + text, or chat messages through its chat template."""
     if isinstance(prompts[0], str):
         enc = rm_tokenizer([p + t for p, t in zip(prompts, texts)], return_tensors="pt", padding=True,
                            padding_side="right")
@@ -1321,9 +1279,8 @@ def process_rewards(prm, prm_tokenizer, tokenizer, prompts: list, completion_ids
 
 
 def rollout(policy, tokenizer, rows: list[dict], gen: GenerationConfig, stop_strings: list[str], task: Task) -> dict:
-    """Generate responses to prompt rows and score them: queries [B, Lq], responses [B, T], masks [B, T] (1 on response
-    tokens), sampler logprobs [B, T] or None, scores [B], ended [B], prompts, texts, a PRM's step scores or None, and
-    decode_live_frac: the share of the decode loop's row steps that made a token of a running response."""
+    """Generate responses to prompt rows and score them: queries, responses, masks (1 on response tokens), sampler
+    logprobs or None, scores, ended, prompts, texts, a PRM's step scores or None, and decode_live_frac."""
     prompts = [r["prompt"] for r in rows]
     ids = [render_prompt(tokenizer, p) for p in prompts]
     if max(map(len, ids)) + gen.max_new_tokens > task.context:
@@ -1366,10 +1323,9 @@ def majority_right(answers: list, right: list[bool]) -> bool:
 
 def evaluate(policy, tokenizer, task: Task, sample: GenerationConfig, greedy: GenerationConfig,
              stop_strings: list[str], rank: int, world: int) -> tuple[dict, list]:
-    """Greedy decoding of the task's evaluation rows (split over processes): mean score, task/accuracy (the share
-    reaching --success-threshold) and every completion, gathered in the rows' order. With --eval-num-samples N, N
-    samples a row (the training sampler, on a fork of torch's random stream), kept as its `samples`: eval/pass@k,
-    k = 1, 2, 4, ... <= N (pass_at_k), and with an answer function eval/maj@N (majority_right)."""
+    """Greedy decoding of the evaluation rows (split over processes): eval/scores, task/accuracy (reaching
+    --success-threshold), the completions in order; with --eval-num-samples N, N samples a row (a fork of torch's
+    random stream) kept as its `samples`: eval/pass@k (k = 1, 2, 4, ... <= N), with an answer function eval/maj@N."""
     rows, n, threshold = task.eval_rows[rank::world], task.args.eval_num_samples, task.args.success_threshold
     device = next(policy.parameters()).device
     out = rollout(policy, tokenizer, rows, greedy, stop_strings, task)
@@ -1434,8 +1390,7 @@ def sync_gradients(params: list[torch.nn.Parameter]) -> None:
 
 
 def step_or_skip(optimizer, params: list, nonfinite: bool, max_grad_norm: float, skip_nonfinite: bool) -> bool:
-    """Average the gradients over processes, clip them and step, unless a loss (`nonfinite`) or the norm is NaN/inf:
-    then skip the step, or raise FloatingPointError (the run stops at its last good checkpoint). True if stepped."""
+    """Average, clip, step; a NaN/inf loss or norm skips it, or raises FloatingPointError. True if it stepped."""
     if not nonfinite:
         sync_gradients(params)
         nonfinite = not torch.isfinite(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
@@ -1584,8 +1539,7 @@ def open_run(args, output_dir: Path, start: int, run_name: str) -> tuple[Path, A
 
 
 def log_row(path: Path | None, run, row: dict, samples: list | None = None) -> None:
-    """Append one row to metrics.jsonl, an evaluation's completions (iteration, prompt, completion, score, ...) to
-    samples.jsonl (the first three printed); both to wandb when tracking (16 completions as a table). Rank 0 only."""
+    """A row to metrics.jsonl, an evaluation's completions to samples.jsonl (3 printed), both to wandb. Rank 0 only."""
     if path is None:
         return
     with path.open("a") as f:
@@ -1685,9 +1639,8 @@ def save_model(model, tokenizer, folder: Path, adapter_folder: Path, rank: int) 
 
 
 def load_weights(model, folder: Path) -> None:
-    """Load a checkpoint's safetensors into the model as they are (no second model, no model code run); with LoRA,
-    its adapters (and heads) alone. A checkpoint of the other kind, or one without a weight the model has (but a tied
-    copy save_pretrained leaves out), stops the run with one line."""
+    """Load a checkpoint's safetensors into the model as they are (no second model, no code run; with LoRA the adapters
+    and heads alone); the other kind, or a weight missing but a tied copy save_pretrained leaves out, stops the run."""
     lora = isinstance(model, peft.PeftModel)
     if lora != (folder / "adapter_config.json").exists():
         fail("--lora-r", 0 if not lora else model.peft_config["default"].r, f"the checkpoint {folder.parent} was "
@@ -1704,8 +1657,7 @@ def load_weights(model, folder: Path) -> None:
 
 
 def save_checkpoint(folder: Path, models: dict, weights: dict, tokenizer, state: dict, keep: int) -> None:
-    """Write a checkpoint (each model's `weights` in its folder, the tokenizer beside the first) to a temporary folder
-    renamed into place, so a crash leaves no half one; keep the newest `keep` (0: all). Rank 0 only."""
+    """Write a checkpoint into a temporary folder renamed into place (never half of one); keep the newest `keep`."""
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     for name, model in models.items():
@@ -1731,8 +1683,7 @@ def find_checkpoint(resume: str, output_dir: Path) -> Path:
 
 
 def load_state(folder: Path) -> dict:
-    """A checkpoint's state.pt, read with torch.load(weights_only=True): plain data only, so that a checkpoint from
-    elsewhere cannot run code when resumed; anything else stops the run, its code not run."""
+    """A checkpoint's state.pt by torch.load(weights_only=True): plain data, else the run stops (no code run)."""
     try:
         return torch.load(folder / "state.pt", weights_only=True)
     except pickle.UnpicklingError as e:

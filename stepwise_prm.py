@@ -510,8 +510,7 @@ def load_pretrained(auto_cls, name: str, flag: str, trust_remote_code: bool = Fa
 
 
 def with_lora(model, lora: MemoryArgs) -> torch.nn.Module:
-    """The model with fresh LoRA adapters (peft) if --lora-r > 0, they and a classifier's head trained, the rest frozen;
-    with --gradient-checkpointing, its layers recompute activations in backward (in training mode: set here)."""
+    """The model with fresh LoRA adapters (peft; they and a classifier's head train) and --gradient-checkpointing."""
     if lora.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
@@ -535,8 +534,7 @@ def with_lora(model, lora: MemoryArgs) -> torch.nn.Module:
 
 
 def adamw(models: list, lr: float, weight_decay: float, eps: float = 1e-5) -> torch.optim.AdamW:
-    """AdamW over the models' parameters that train (all, or with LoRA the adapters and a classifier's head), decayed
-    as transformers' Trainer decays them: every one but biases and normalisation weights (with no decay, one group)."""
+    """AdamW over what trains, decayed as transformers' Trainer decays: not biases, norm weights (0: one group)."""
     named = [(f"{i}.{n}", p) for i, m in enumerate(models) for n, p in m.named_parameters() if p.requires_grad]
     decay = {f"{i}.{n}" for i, m in enumerate(models) for n in get_parameter_names(m, [torch.nn.LayerNorm], [
         r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"])}  # Trainer's patterns
@@ -722,8 +720,7 @@ def sync_gradients(params: list[torch.nn.Parameter]) -> None:
 
 
 def step_or_skip(optimizer, params: list, nonfinite: bool, max_grad_norm: float, skip_nonfinite: bool) -> bool:
-    """Average the gradients over processes, clip them and step, unless a loss (`nonfinite`) or the norm is NaN/inf:
-    then skip the step, or raise FloatingPointError (the run stops at its last good checkpoint). True if stepped."""
+    """Average, clip, step; a NaN/inf loss or norm skips it, or raises FloatingPointError. True if it stepped."""
     if not nonfinite:
         sync_gradients(params)
         nonfinite = not torch.isfinite(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
@@ -807,9 +804,8 @@ def set_rng_states(states: dict) -> None:
 
 
 def load_weights(model, folder: Path) -> None:
-    """Load a checkpoint's safetensors into the model as they are (no second model, no model code run); with LoRA,
-    its adapters (and heads) alone. A checkpoint of the other kind, or one without a weight the model has (but a tied
-    copy save_pretrained leaves out), stops the run with one line."""
+    """Load a checkpoint's safetensors into the model as they are (no second model, no code run; with LoRA the adapters
+    and heads alone); the other kind, or a weight missing but a tied copy save_pretrained leaves out, stops the run."""
     lora = isinstance(model, peft.PeftModel)
     if lora != (folder / "adapter_config.json").exists():
         fail("--lora-r", 0 if not lora else model.peft_config["default"].r, f"the checkpoint {folder.parent} was "
@@ -826,8 +822,7 @@ def load_weights(model, folder: Path) -> None:
 
 
 def save_checkpoint(folder: Path, models: dict, weights: dict, tokenizer, state: dict, keep: int) -> None:
-    """Write a checkpoint (each model's `weights` in its folder, the tokenizer beside the first) to a temporary folder
-    renamed into place, so a crash leaves no half one; keep the newest `keep` (0: all). Rank 0 only."""
+    """Write a checkpoint into a temporary folder renamed into place (never half of one); keep the newest `keep`."""
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     for name, model in models.items():
@@ -853,8 +848,7 @@ def find_checkpoint(resume: str, output_dir: Path) -> Path:
 
 
 def load_state(folder: Path) -> dict:
-    """A checkpoint's state.pt, read with torch.load(weights_only=True): plain data only, so that a checkpoint from
-    elsewhere cannot run code when resumed; anything else stops the run, its code not run."""
+    """A checkpoint's state.pt by torch.load(weights_only=True): plain data, else the run stops (no code run)."""
     try:
         return torch.load(folder / "state.pt", weights_only=True)
     except pickle.UnpicklingError as e:

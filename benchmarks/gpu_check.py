@@ -23,6 +23,11 @@ holds the warm-up; peak GPU memory by torch.cuda.max_memory_allocated at the pro
 `--logits-chunk 0` (the whole [B, T, V] logits in every pass, for the memory the chunked default saves), and each for
 2 iterations under `torchrun --nproc_per_node 1` (nccl on CUDA, gloo on CPU). A row that fails says so and the rest
 still run; the command then exits non-zero after the table and the failures' last lines.
+
+Then two tables at uneven lengths (a stop string ends a response at a random token, some run to the cap): one decode
+step at the batch size, a half, a quarter and an eighth of it (what dropping finished rows from the decode loop saves
+on this device), and `ppo.py` and `rloo.py grpo` at the batch size and 4 times it, 5 iterations each, with each
+iteration split into its parts as benchmarks/real_model.py --real-lengths splits it (the median of steps 2-4).
 """
 
 import argparse
@@ -231,6 +236,63 @@ def script_row(name: str, cmd: list[str], out: Path, timeout_s: float, failures:
     return [name, f"{per_iter:.2f} s/iter", f"{first:.1f}", peak, f"{wall:.1f}", "ok"]
 
 
+def step_times(folder: Path, size: Size, device: torch.device) -> str:
+    """One decode step (eager, bf16 autocast) over a cache of the prompt and half the new tokens, median of 5, at the
+    batch size and at a half, a quarter and an eighth of it."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    import ppo
+
+    policy = ppo.disable_dropout(AutoModelForCausalLM.from_pretrained(folder).to(device)).eval()
+    context, cells = size.prompt_len + size.new_tokens // 2, []
+    for rows in (size.batch, size.batch // 2, size.batch // 4, max(size.batch // 8, 1)):
+        ids = torch.randint(4, size.tokenizer_vocab, (rows, context), device=device)
+        with torch.no_grad(), ppo.autocast("bf16", device):
+            cache = DynamicCache(config=policy.config)
+            policy(input_ids=ids, cache=cache, use_cache=True)
+            times = []
+            for _ in range(6):
+                sync(device)
+                start = time.perf_counter()
+                policy(input_ids=ids[:, -1:], cache=cache, use_cache=True,
+                       position_ids=torch.full((rows, 1), context, device=device))
+                sync(device)
+                times.append(time.perf_counter() - start)
+                cache.crop(-1)  # back to `context` tokens
+        cells.append(f"{rows} rows {1000 * statistics.median(times[1:]):.1f} ms")
+    return f"one decode step over {context} tokens, bf16: " + ", ".join(cells)
+
+
+def split_rows(folder: Path, size: Size, deadline: float, failures: list[str]) -> list[str]:
+    """ppo.py and rloo.py grpo at the batch size and 4 times it, 5 iterations each at uneven lengths (--stop-strings
+    e: a random model's token holds an "e" now and then), under real_model.py's PROFILE: one row each."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import real_model
+
+    rows = ["| run | s/iter | generation | scoring | no-grad passes | update: forward + backward | optimizer | rest | "
+            "padded: decode / update | mean length | s per 1,000 tokens | peak memory (MB) |", "| --- " * 12 + "|"]
+    for script, recipe in (("ppo.py", []), ("rloo.py", ["grpo"])):
+        for batch in (size.batch, 4 * size.batch):
+            out = Path(tempfile.mkdtemp(prefix=f"gpu_check_split_{script[:-3]}_"))
+            cmd = [sys.executable, "-c", real_model.PROFILE, script, *recipe, "--model", str(folder), "--dataset",
+                   str(folder / "prompts.jsonl"), "--reward-fn", f"{THIS}:length_reward", "--batch-size", str(batch),
+                   "--total-episodes", str(5 * batch), "--max-new-tokens", str(size.new_tokens), "--stop-strings",
+                   "e", "--dtype", "bf16", "--learning-rate", "1e-6", "--num-eval-prompts", "1", "--eval-every",
+                   "100000", "--num-mini-batches", "1", *(["--num-ppo-epochs", "1"] if script == "ppo.py" else []),
+                   "--output-dir", str(out)]
+            name, left = f"{script}{' grpo' if recipe else ''}, batch {batch}", deadline - time.perf_counter()
+            if left < 10:
+                rows.append(f"| {name} | skipped: past the time budget (--budget-s) |")
+                continue
+            row = script_row(name, [sys.executable, "-c", PEAK, *cmd[1:]], out, min(size.timeout_s, left), failures)
+            if row[-1] != "ok":
+                rows.append(f"| {name} | {row[-1]} |")
+                continue
+            peak = float(row[3].replace(",", "")) if row[3] != "–" else 0.0
+            rows.append(real_model.split_row(name, out / "splits.jsonl", peak))
+    return rows
+
+
 def script_rows(folder: Path, size: Size, device: torch.device, deadline: float,
                 failures: list[str]) -> list[list[str]]:
     """Rows: ppo.py and rloo.py for 2 iterations in one process, then each under torchrun --nproc_per_node 1; a run
@@ -266,8 +328,8 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=460, help="script runs stop by this many seconds from the "
                         "start, so that the table prints within the GPU machine's 10-minute command limit")
     parser.add_argument("--cpu-compile", action="store_true", help="on CPU, run the --compile row too (minutes)")
-    parser.add_argument("--only", choices=["generation", "scripts"], help="only the generation rows, or only the "
-                        "script runs (e.g. to rerun one half within a GPU lease)")
+    parser.add_argument("--only", choices=["generation", "scripts", "lengths"], help="only the generation rows, the "
+                        "script runs, or the uneven-length tables (e.g. to rerun one part within a GPU lease)")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
     import transformers
@@ -284,12 +346,15 @@ def main() -> None:
     build(folder, size)
     built = time.perf_counter() - start
     print(f"gpu_check: model and prompts built in {built:.1f} s in {folder}", file=sys.stderr, flush=True)
-    rows = generation_rows(folder, size, device, args.cpu_compile, failures) if args.only != "scripts" else []
+    rows = generation_rows(folder, size, device, args.cpu_compile, failures) if args.only in (None, "generation") \
+        else []
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()  # hand the generation rows' cached blocks back: the script runs are other processes
-    if args.only != "generation":
+    if args.only in (None, "scripts"):
         rows += script_rows(folder, size, device, start + args.budget_s, failures)
+    lengths = [step_times(folder, size, device), *split_rows(folder, size, start + args.budget_s, failures)] \
+        if args.only in (None, "lengths") else []
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     memory = "peak GPU memory (MiB)" if device.type == "cuda" else "peak RSS (MiB)"
@@ -301,7 +366,8 @@ def main() -> None:
     lines = [f"| run | speed | first call / iteration (s) | {memory} | wall (s) | status |",
              "| --- | --- | --- | --- | --- | --- |", *(f"| {' | '.join(r)} |" for r in rows)]
     print("\n".join(lines), flush=True)
-    failed = [r for r in rows if not r[-1].startswith(("ok", "skipped on CPU"))]
+    print("\n" + "\n".join(lengths), flush=True)
+    failed = [r for r in rows if not r[-1].startswith(("ok", "skipped on CPU"))] + [r for r in lengths if "failed" in r]
     if failed:
         print("\n" + "\n".join(failures), file=sys.stderr)
         raise SystemExit(f"gpu_check: {len(failed)} of {len(rows)} rows failed")

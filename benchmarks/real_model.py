@@ -89,6 +89,8 @@ class Run:
     batch_size: int
     flags: list[str]
     recipe: str | None = None  # a named configuration of the script, given before the flags
+    python: str = ".trl-venv"  # TRL's side: the TRL environment it runs in (under benchmarks/)
+    profiled: bool = False  # our side: run under PROFILE, which writes splits.jsonl into the run folder
 
 
 # Settings for 2 CPU cores: 80, 60 and 80 iterations of 32 responses. PPO's peak memory is the largest, about 11.5 GB:
@@ -112,6 +114,95 @@ VS_TRL = {
                         recipe="grpo"),
     "trl-grpo": Run("benchmarks/trl_side.py", 2560, 32, ["grpo-real"]),
 }
+# --real-lengths: replies of 10-128 tokens ("Think step by step"); 5 steps of 8 prompts x 4 (32 responses), up to 128
+# new tokens, fp32; steps 2-4 are read (step 1 warms up, step 5 holds the final evaluation). PPO on both sides scores
+# with a reward model (TRL 1.12's PPOTrainer takes nothing else): SmolLM2 under a fresh one-label head, seeded.
+REAL_LENGTHS = {
+    "rloo-grpo": Run("rloo.py", 160, 32, ["--rloo-k", "4"], recipe="grpo", profiled=True),
+    "ppo": Run("ppo.py", 160, 32, ["--num-ppo-epochs", "1", "--num-mini-batches", "1"], profiled=True),
+    "trl-grpo": Run("benchmarks/trl_side.py", 160, 32, ["grpo-lengths"], python=".trl116-venv"),
+    "trl-ppo": Run("benchmarks/trl_side.py", 160, 32, ["ppo-lengths"]),
+}
+LONG_QUESTION, LONG_NEW_TOKENS = "What is {a}+{b}? Think step by step, then give the final answer.", 128
+# Our side under --real-lengths: the script's main with its functions wrapped, writing one JSON row per iteration
+# (at log_row) to splits.jsonl: seconds of generation, scoring, the update step's no-grad and grad forwards, backward
+# and optimizer steps; generated tokens and rows stepped by the decode loop; real and computed positions of the
+# step's forwards (packed_inputs' counts where it packs). Nothing in the scripts changes for it.
+PROFILE = r"""
+import json, os, sys, time
+import torch, tyro
+sys.path.insert(0, os.getcwd())
+script = __import__(os.path.basename(sys.argv[1])[:-3])
+argv = sys.argv[2:]
+recipe = argv[0] if argv and argv[0] in script.RECIPES else None
+args = tyro.cli(script.Args, args=argv[1:] if recipe else argv, default=script.RECIPES[recipe][1]() if recipe else None)
+now, inside, out = {}, [], open(os.path.join(args.output_dir, "splits.jsonl"), "w")
+sync = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None  # on a GPU, time the work, not launches
+def add(key, value):
+    now[key] = now.get(key, 0.0) + value
+def timed(part, fn, flag=False):
+    def wrapper(*a, **kw):
+        inside.extend([1] * flag)
+        sync()
+        start = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            sync()
+            add(part, time.perf_counter() - start)
+            del inside[len(inside) - flag:]
+    return wrapper
+def generate(*a, **kw):
+    result = original_generate(*a, **kw)
+    add("responses", len(result[1]))
+    add("generated_tokens", result[1].sum().item())
+    add("decode_row_steps", result[4] if len(result) > 4 else result[0].numel())
+    return result
+original_generate, script.generate = script.generate, timed("generation", generate)
+for name in ("call_reward_fns", "reward_model_scores", "process_rewards"):
+    setattr(script, name, timed("scoring", getattr(script, name)))
+step = "ppo_step" if hasattr(script, "ppo_step") else "rloo_step"
+setattr(script, step, timed("step", getattr(script, step), flag=True))
+script.step_or_skip = timed("optimizer", script.step_or_skip)
+backward = torch.Tensor.backward
+torch.Tensor.backward = lambda self, *a, **kw: timed("backward", backward)(self, *a, **kw)
+if hasattr(script, "packed_inputs"):
+    packed_inputs = script.packed_inputs
+    def counted(model, input_ids, attention_mask, T):
+        inputs, index = packed_inputs(model, input_ids, attention_mask, T)
+        if inside and "attention_mask" not in inputs:
+            add("real_positions", attention_mask.sum().item())
+            add("computed_positions", inputs["input_ids"].numel())
+        return inputs, index
+    script.packed_inputs = counted
+def pre(module, a, kw):
+    sync()
+    module.started = time.perf_counter()
+    mask, ids = kw.get("attention_mask"), kw.get("input_ids")
+    if inside and mask is not None and ids is not None:
+        add("real_positions", mask[:, -ids.shape[1]:].sum().item())
+        add("computed_positions", ids.numel())
+def post(module, a, kw, output):
+    sync()
+    if inside:
+        add("grad_forward" if torch.is_grad_enabled() else "nograd_forward", time.perf_counter() - module.started)
+place = script.place
+def hooked(models, *a, **kw):
+    for model in filter(None, models):
+        model.register_forward_pre_hook(pre, with_kwargs=True)
+        model.register_forward_hook(post, with_kwargs=True)
+    return place(models, *a, **kw)
+script.place = hooked
+log_row, clock = script.log_row, [time.perf_counter()]
+def row(path, run, values, samples=None):
+    log_row(path, run, values, samples)
+    now["iteration_s"], clock[0] = time.perf_counter() - clock[0], time.perf_counter()
+    out.write(json.dumps({"iteration": values["iteration"], **now}) + chr(10))
+    out.flush()
+    now.clear()
+script.log_row = row
+script.main(args)
+"""
 
 
 def main() -> None:
@@ -119,7 +210,7 @@ def main() -> None:
     parser.add_argument("--model-folder", type=Path, default=None,
                         help="use this model folder instead of making SmolLM2-135M-Instruct's in the cache")
     parser.add_argument("--out", type=Path, default=CACHE / "runs", help="folder of the task data and the runs")
-    parser.add_argument("--runs", nargs="+", default=None, choices=[*RUNS, *VS_TRL, "none"],
+    parser.add_argument("--runs", nargs="+", default=None, choices=[*RUNS, *VS_TRL, *REAL_LENGTHS, "none"],
                         help=f"runs to make, in this order (default: {' '.join(DEFAULT_RUNS)}, with --vs-trl both "
                              "sides; 'none': only the model folder and the task; with --vs-trl, rloo-grpo or trl-grpo)")
     parser.add_argument("--episodes-scale", type=float, default=1.0,
@@ -133,12 +224,17 @@ def main() -> None:
                         help="after the runs, pass@k (k = 1, 2, 4, ... <= N) and maj@N on the held-out sums, N sampled "
                              "completions a prompt, of the base model and of each run folder in --out that holds a "
                              "final model, made now or before (0: off)")
+    parser.add_argument("--real-lengths", action="store_true",
+                        help="the time of each part of an iteration at replies of 10-128 tokens: rloo.py grpo and "
+                             "ppo.py against TRL 1.16's GRPOTrainer and TRL 1.12's PPOTrainer (--runs: some of them)")
     parser.add_argument("--convert-gguf", nargs=2, type=Path, metavar=("GGUF", "FOLDER"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.convert_gguf:  # the conversion subprocess (make_model_folder), with gguf and accelerate importable
         convert_gguf(*args.convert_gguf)
         return
 
+    if args.real_lengths:
+        return real_lengths(args.runs or list(REAL_LENGTHS), args.out.resolve(), args.model_folder, parser)
     names = args.runs or (list(VS_TRL) if args.vs_trl else DEFAULT_RUNS)
     if args.vs_trl and set(names) - {*VS_TRL, "none"}:
         parser.error(f"--runs {' '.join(names)}: with --vs-trl name its sides ({', '.join(VS_TRL)}) or none")
@@ -277,11 +373,11 @@ def split_pairs(seed: int = 0) -> tuple[list[tuple[int, int]], list[tuple[int, i
     return rng.choices(rest, k=NUM_TRAIN), test
 
 
-def write_task(folder: Path) -> Path:
+def write_task(folder: Path, question: str = QUESTION) -> Path:
     """train.jsonl and test.jsonl (columns prompt, a list of chat messages, and answer, the sum) and reward.py."""
     folder.mkdir(parents=True, exist_ok=True)
     for split, pairs in zip(["train", "test"], split_pairs()):
-        rows = [{"prompt": [{"role": "user", "content": QUESTION.format(a=a, b=b)}], "answer": a + b}
+        rows = [{"prompt": [{"role": "user", "content": question.format(a=a, b=b)}], "answer": a + b}
                 for a, b in pairs]
         (folder / f"{split}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     (folder / "reward.py").write_text(REWARD_FILE)
@@ -297,10 +393,11 @@ def run(name: str, spec: Run, model: Path, data: Path, out: Path, episodes_scale
     resident memory in MB (os.wait4 gives the finished child's own rusage, whose ru_maxrss is in KiB on Linux)."""
     episodes = max(1, round(spec.total_episodes * episodes_scale / spec.batch_size)) * spec.batch_size
     if spec.script.endswith("trl_side.py"):  # TRL's side, in its own environment: the same task and evaluation points
-        cmd = [str(ROOT / "benchmarks" / ".trl-venv" / "bin" / "python"), spec.script, *spec.flags, str(episodes),
+        cmd = [str(ROOT / "benchmarks" / spec.python / "bin" / "python"), spec.script, *spec.flags, str(episodes),
                str(model), str(data), str(out), "10"]
     else:
-        cmd = [sys.executable, spec.script, *([spec.recipe] if spec.recipe else []), "--model", str(model),
+        cmd = [sys.executable, *(["-c", PROFILE] if spec.profiled else []), spec.script,
+               *([spec.recipe] if spec.recipe else []), "--model", str(model),
                "--dataset", str(data), "--dataset-split", "train", "--eval-split", "test", "--num-eval-prompts",
                str(NUM_TEST), "--reward-fn", f"{data / 'reward.py'}:score", "--answer-fn",
                f"{data / 'reward.py'}:answer", "--max-new-tokens", str(MAX_NEW_TOKENS),
@@ -321,8 +418,95 @@ def run(name: str, spec: Run, model: Path, data: Path, out: Path, episodes_scale
         tail = (out / "log.txt").read_text().splitlines()[-15:]
         sys.exit(f"{name}: {spec.script} failed (exit code {process.returncode}); the end of {out / 'log.txt'}:\n"
                  + "\n".join(tail))
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    metrics = out / "metrics.jsonl"  # TRL's --real-lengths sides write splits.jsonl alone
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.exists() else []
     return {"rows": rows, "minutes": minutes, "peak_mb": usage.ru_maxrss / 1024}
+
+
+def real_lengths(names: list[str], out: Path, model_folder: Path | None, parser) -> None:
+    """--real-lengths: each side's iteration split into its parts (medians of steps 2-4), the padded share of the
+    decode loop's row steps and of the update's forward positions, mean response length, seconds per 1,000 generated
+    tokens and peak memory; then one decode step of SmolLM2 at several batch sizes (what dropping rows saves)."""
+    if set(names) - set(REAL_LENGTHS):
+        parser.error(f"--runs {' '.join(names)}: with --real-lengths name its sides ({', '.join(REAL_LENGTHS)})")
+    model = model_folder.resolve() if model_folder else make_model_folder(CACHE / "SmolLM2-135M-Instruct")
+    data, reward_model = write_task(out / "data-long", LONG_QUESTION), make_reward_model(model, out / "reward-model")
+    common = ["--max-new-tokens", str(LONG_NEW_TOKENS), "--num-eval-prompts", "8", "--eval-every", "1000",
+              "--learning-rate", "2e-5"]
+    rows = ["| side | s/iter | generation | scoring | no-grad passes | update: forward + backward | optimizer | rest "
+            "| padded: decode / update | mean length | s per 1,000 tokens | peak memory (MB) |",
+            "| --- " * 12 + "|"]
+    for name in names:
+        spec = REAL_LENGTHS[name]
+        if spec.script.endswith("trl_side.py") and not (ROOT / "benchmarks" / spec.python / "bin" / "python").exists():
+            print(f"{name}: skipped, no TRL environment at benchmarks/{spec.python}", flush=True)
+            continue
+        extra = ["--reward-model", str(reward_model)] if name == "ppo" else []
+        flags = spec.flags + (common + extra if spec.profiled else [])
+        print(f"{name}: running, log in {out / name / 'log.txt'}", flush=True)
+        result = run(name, Run(spec.script, spec.total_episodes, spec.batch_size, flags, spec.recipe, spec.python,
+                               spec.profiled), model, data, out / name, 1.0)
+        rows.append(split_row(name, out / name / "splits.jsonl", result["peak_mb"]))
+        print(rows[-1], flush=True)
+    print("\n".join(rows))
+    print(step_times(model))
+
+
+def split_row(name: str, path: Path, peak_mb: float) -> str:
+    """One table row from a run's splits.jsonl (our PROFILE's, or trl_side.py's in the same keys): the seconds of the
+    median of steps 2-4 and of its parts; the padded shares and tokens summed over those steps."""
+    steps = [json.loads(line) for line in path.read_text().splitlines()][2:5]  # rows 0 (evaluation), 1..5
+    middle = sorted(steps, key=lambda s: s["iteration_s"])[1]
+    total = lambda key: sum(s.get(key, 0.0) for s in steps)
+    iteration, part = middle["iteration_s"], lambda key: middle.get(key, 0.0)
+    parts = [part("generation"), part("scoring"), part("nograd_forward"), part("grad_forward") + part("backward"),
+             part("optimizer")]
+    decode_padded = 1 - total("generated_tokens") / max(total("decode_row_steps"), 1)
+    update_padded = 1 - total("real_positions") / max(total("computed_positions"), 1)
+    responses = total("responses")
+    rest = iteration - sum(parts)
+    return (f"| {name} | {iteration:.1f} | " + " | ".join(f"{x:.1f}" for x in parts) + f" | {rest:.1f} "
+            f"| {decode_padded:.2f} / {update_padded:.2f} | {total('generated_tokens') / max(responses, 1):.0f} | "
+            f"{1000 * iteration / max(part('generated_tokens'), 1):.1f} | {peak_mb:,.0f} |")
+
+
+def step_times(model: Path, sizes: tuple = (32, 16, 8, 4), context: int = 100) -> str:
+    """Seconds of one decode step of the model (one token a row over a cache of `context` tokens), median of 7, at
+    each batch size: on this CPU as on a GPU, a step has a large part that does not shrink with the rows."""
+    import statistics
+
+    import torch
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    cells = []
+    for size in sizes:
+        ids = torch.randint(0, policy.config.vocab_size, (size, context))
+        with torch.no_grad():
+            cache = DynamicCache(config=policy.config)
+            policy(input_ids=ids, cache=cache, use_cache=True)
+            times = []
+            for _ in range(7):
+                start = time.perf_counter()
+                policy(input_ids=ids[:, -1:], cache=cache, use_cache=True,
+                       position_ids=torch.full((size, 1), context))
+                times.append(time.perf_counter() - start)
+                cache.crop(-1)  # back to `context` tokens
+        cells.append(f"{size} rows {1000 * statistics.median(times):.0f} ms")
+    return f"one decode step over {context} tokens: " + ", ".join(cells)
+
+
+def make_reward_model(model: Path, folder: Path) -> Path:
+    """The model under a fresh one-label head (seed 0), saved: the reward model (and TRL's value model) of the PPO
+    sides of --real-lengths, whose scores only need to cost what a reward model costs."""
+    if not (folder / "config.json").exists():
+        import torch
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        torch.manual_seed(0)
+        AutoModelForSequenceClassification.from_pretrained(model, num_labels=1).save_pretrained(folder)
+        AutoTokenizer.from_pretrained(model).save_pretrained(folder)
+    return folder
 
 
 def table(results: dict[str, dict]) -> str:

@@ -18,6 +18,13 @@ its head trained whole), so that both sides train the same parameters.
 grpo-real is benchmarks/real_model.py --vs-trl's TRL side: TRL's GRPOTrainer on that benchmark's task folder (train
 and test splits, reward.py) with `rloo.py grpo`'s settings, evaluated by ppo.py's own `evaluate` (greedy, the 200
 held-out sums) before training and every EVAL_EVERY steps, writing OUT/metrics.jsonl rows as our scripts write them.
+
+    benchmarks/.trl116-venv/bin/python benchmarks/trl_side.py grpo-lengths EPISODES MODEL_FOLDER TASK_FOLDER OUT N
+    benchmarks/.trl-venv/bin/python benchmarks/trl_side.py ppo-lengths EPISODES MODEL_FOLDER TASK_FOLDER OUT N
+
+grpo-lengths (TRL 1.16's GRPOTrainer) and ppo-lengths (TRL 1.12's PPOTrainer, scoring with OUT/../reward-model) are
+real_model.py --real-lengths' TRL sides: replies of up to 128 tokens, 32 a step, each step's seconds split into its
+parts in OUT/splits.jsonl, in the keys of real_model.py's PROFILE (N is not used).
 """
 
 import gc
@@ -32,6 +39,7 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook  # noqa: E402
 from transformers import (  # noqa: E402
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
@@ -178,7 +186,153 @@ def grpo_real(episodes: int, model: Path, data: Path, out: Path, eval_every: int
     print(f"rows in {out / 'metrics.jsonl'}")
 
 
+class Splits(TrainerCallback):
+    """real_model.py --real-lengths' parts of each TRL step, in PROFILE's keys, one JSON row per step (and a row 0):
+    forwards of the trained models timed by grad mode, their real and computed positions (attention masks), backward
+    passes, optimizer steps; `timed` wraps what generates and what scores."""
+
+    def __init__(self, out: Path, models: list):
+        self.now, self.file, self.clock = {}, (out / "splits.jsonl").open("w"), time.perf_counter()
+        self.file.write(json.dumps({"iteration": 0}) + "\n")
+        for model in filter(None, models):
+            model.register_forward_pre_hook(self.pre, with_kwargs=True)
+            model.register_forward_hook(self.post, with_kwargs=True)
+        backward = torch.Tensor.backward
+        torch.Tensor.backward = lambda tensor, *a, **kw: self.timed("backward", backward)(tensor, *a, **kw)
+        register_optimizer_step_pre_hook(lambda *a: self.now.update(started=time.perf_counter()))
+        register_optimizer_step_post_hook(
+            lambda *a: self.add("optimizer", time.perf_counter() - self.now.pop("started")))
+
+    def add(self, key: str, value: float) -> None:
+        self.now[key] = self.now.get(key, 0.0) + value
+
+    def timed(self, part: str, fn):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.add(part, time.perf_counter() - start)
+        return wrapper
+
+    def generated(self, lengths: list[int], width: int) -> None:
+        self.add("responses", len(lengths))
+        self.add("generated_tokens", sum(lengths))
+        self.add("decode_row_steps", len(lengths) * width)  # transformers' generate steps every row to the longest
+
+    def pre(self, module, args, kwargs):
+        module.started = time.perf_counter()
+        mask, ids = kwargs.get("attention_mask"), kwargs.get("input_ids")
+        if mask is not None and ids is not None and not getattr(self, "generating", False):
+            self.add("real_positions", mask[:, -ids.shape[1]:].sum().item())
+            self.add("computed_positions", ids.numel())
+
+    def post(self, module, args, kwargs, output):
+        if not getattr(self, "generating", False):
+            key = "grad_forward" if torch.is_grad_enabled() else "nograd_forward"
+            self.add(key, time.perf_counter() - module.started)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.now["iteration_s"], self.clock = time.perf_counter() - self.clock, time.perf_counter()
+        self.file.write(json.dumps({"iteration": state.global_step, **self.now}) + "\n")
+        self.file.flush()
+        self.now = {}
+
+
+def grpo_lengths(episodes: int, model: Path, data: Path, out: Path) -> None:
+    """TRL's GRPOTrainer (the newest release, 1.16) with rloo.py grpo's settings at replies of up to 128 tokens: 32
+    completions a step as 8 prompts x 4, temperature 1, lr 2e-5, beta 0.04 with k3 in the loss, group std scaling,
+    loss_type grpo, fp32, no checkpointing; each step's parts in OUT/splits.jsonl."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    import ppo
+
+    reward = ppo.load_callable(f"{data / 'reward.py'}:score", "--reward-fn")
+    out.mkdir(parents=True, exist_ok=True)
+    config = GRPOConfig(output_dir=str(out / "trl"), report_to=[], logging_steps=10**6, save_strategy="no",
+                        use_cpu=True, seed=1, dataloader_num_workers=0, disable_tqdm=True, bf16=False,
+                        gradient_checkpointing=False, per_device_train_batch_size=32, num_generations=4,
+                        max_completion_length=128, temperature=1.0, top_p=1.0, learning_rate=2e-5,
+                        lr_scheduler_type="linear", adam_epsilon=1e-5, weight_decay=0.0, max_grad_norm=1.0,
+                        beta=0.04, use_bias_correction_kl=False, loss_type="grpo", scale_rewards="group",
+                        num_iterations=1, max_steps=episodes // 32)
+    trainer = GRPOTrainer(model=str(model), reward_funcs=reward, args=config,
+                          train_dataset=Dataset.from_json(str(data / "train.jsonl")), processing_class=tokenizer)
+    splits = Splits(out, [trainer.model, trainer.ref_model])
+    trainer.add_callback(splits)
+    generate = trainer._generate  # private: the one place that generates, whose output the benchmark counts
+
+    def generating(prompts):
+        splits.generating = True
+        try:
+            return splits.timed("generation", generate)(prompts)
+        finally:
+            splits.generating = False
+
+    def scoring(inputs, prompts, completions, completion_ids_list):
+        lengths = [len(ids) for ids in completion_ids_list]
+        splits.generated(lengths, max(lengths))
+        return splits.timed("scoring", calculate)(inputs, prompts, completions, completion_ids_list)
+
+    calculate, trainer._generate, trainer._calculate_rewards = trainer._calculate_rewards, generating, scoring
+    trainer.train()
+
+
+def ppo_lengths(episodes: int, model: Path, data: Path, out: Path) -> None:
+    """TRL 1.12's PPOTrainer (the last with one) at replies of up to 128 tokens: 32 a step, one PPO epoch of one
+    mini-batch, temperature 1, lr 2e-5, kl_coef 0.05, fp32, scored by OUT/../reward-model (SmolLM2 under a fresh
+    one-label head), the value model a copy of it, as ppo.py --reward-model; each step's parts in OUT/splits.jsonl."""
+    from trl.experimental.ppo import PPOConfig, PPOTrainer
+    from trl.experimental.ppo import ppo_trainer as module
+
+    tokenizer = AutoTokenizer.from_pretrained(model, padding_side="left")
+    rows = [json.loads(line) for line in (data / "train.jsonl").read_text().splitlines()]
+    chats = [tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False) for r in rows]
+    ds = Dataset.from_dict({"input_ids": tokenizer(chats[:episodes], add_special_tokens=False).input_ids})
+    reward_folder = out.parent / "reward-model"
+    out.mkdir(parents=True, exist_ok=True)
+    config = PPOConfig(output_dir=str(out / "trl"), report_to=[], logging_steps=10**6, save_strategy="no",
+                       use_cpu=True, seed=1, dataloader_num_workers=0, disable_tqdm=True, bf16=False,
+                       per_device_train_batch_size=32, gradient_accumulation_steps=1, num_mini_batches=1,
+                       num_ppo_epochs=1, local_rollout_forward_batch_size=32, response_length=128, temperature=1.0,
+                       total_episodes=episodes, learning_rate=2e-5, kl_coef=0.05, missing_eos_penalty=None,
+                       stop_token="eos", num_sample_generations=0)
+    policy = AutoModelForCausalLM.from_pretrained(model)
+    reward_model = AutoModelForSequenceClassification.from_pretrained(reward_folder)
+    value_model = AutoModelForSequenceClassification.from_pretrained(reward_folder)
+    trainer = PPOTrainer(args=config, processing_class=tokenizer, model=policy,
+                         ref_model=AutoModelForCausalLM.from_pretrained(model), reward_model=reward_model,
+                         value_model=value_model, train_dataset=ds)
+    backbone = getattr(value_model, value_model.base_model_prefix)  # what TRL calls for values (get_reward, training)
+    splits = Splits(out, [trainer.model.policy, trainer.ref_model, backbone])
+    trainer.add_callback(splits)
+    batch_generation, get_reward = module.batch_generation, module.get_reward
+
+    def generating(model, queries, *args):
+        splits.generating = True
+        try:
+            query_responses, logits = splits.timed("generation", batch_generation)(model, queries, *args)
+        finally:
+            splits.generating = False
+        responses = query_responses[:, queries.shape[1]:]
+        ended = responses == tokenizer.eos_token_id
+        lengths = torch.where(ended.any(1), ended.int().argmax(1) + 1, responses.shape[1])
+        splits.generated(lengths.tolist(), responses.shape[1])
+        return query_responses, logits
+
+    def scoring(scorer, *args):  # the reward model's scores; the value model's values are a no-grad pass
+        return (splits.timed("scoring", get_reward) if scorer is reward_model else get_reward)(scorer, *args)
+
+    module.batch_generation, module.get_reward = generating, scoring
+    trainer.train()
+
+
 def main() -> None:
+    if sys.argv[1] in ("grpo-lengths", "ppo-lengths"):
+        side = grpo_lengths if sys.argv[1] == "grpo-lengths" else ppo_lengths
+        return side(int(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4]), Path(sys.argv[5]))
     if sys.argv[1] == "grpo-real":
         return grpo_real(int(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4]), Path(sys.argv[5]), int(sys.argv[6]))
     if sys.argv[1] == "rloo-learn":

@@ -10,8 +10,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 MARKER = "# Machinery below:"
 # above the marker, what both RL scripts share: the math both updates use
-SHARED_ABOVE_MARKER = ["response_valid_mask", "masked_mean", "kl_penalty", "token_logprobs", "logprobs_on_support",
-                       "sampler_metrics"]
+SHARED_ABOVE_MARKER = ["response_valid_mask", "masked_mean", "kl_penalty", "token_logprobs", "sampler_metrics"]
 # stepwise_prm.py's machinery: the subset of ppo.py's block it needs, copied definition by definition. Every other
 # name the two files share is deliberately the script's own: Args (its flags), main (its loop) and evaluate (the
 # PRM's held-out step metrics, not a policy's greedy decoding) and log_row (no completions to write).

@@ -33,9 +33,20 @@ def test_gpu_check_without_cuda_prints_the_tiny_table(tmp_path):
     assert result.returncode == 0, result.stderr[-4000:]
     lines = result.stdout.strip().splitlines()
     assert lines[0] == "gpu_check: no CUDA device here, so the table below is the tiny size on CPU, not the GPU check"
-    table = lines[lines.index("| run | speed | first call / iteration (s) | peak RSS (MiB) | wall (s) | status |"):]
+    start = lines.index("| run | speed | first call / iteration (s) | peak RSS (MiB) | wall (s) | status |")
+    table = lines[start:lines.index("", start)]
     rows = {cells[0]: cells[1:] for cells in ([c.strip() for c in line.strip("|").split("|")] for line in table[2:])}
     assert list(rows) == ROWS
+    # the uneven-length tables: one decode step at 4 batch sizes, then ppo.py and rloo.py grpo split into their parts
+    steps = next(line for line in lines if line.startswith("one decode step over"))
+    assert len(re.findall(r"\d+ rows [\d.]+ ms", steps)) == 4
+    split = lines[lines.index(steps) + 3:]
+    assert [line.split("|")[1].strip() for line in split] == ["ppo.py, batch 8", "ppo.py, batch 32",
+                                                                "rloo.py grpo, batch 8", "rloo.py grpo, batch 32"]
+    for line in split:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        decode, update = map(float, cells[8].split(" / "))
+        assert float(cells[1]) > 0 and 0 <= decode < 1 and 0 <= update < 1 and int(cells[9]) > 0, line
     for name in ROWS[:2]:
         assert float(re.match(r"([\d,]+) tokens/s", rows[name][0])[1].replace(",", "")) > 0 and rows[name][-1] == "ok"
     assert rows[ROWS[2]][-1].startswith("skipped on CPU")

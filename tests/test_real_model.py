@@ -5,6 +5,7 @@ pairs never trained on, in either order) and the reward file scores as it says; 
 
 import importlib.util
 import json
+import re
 import string
 import sys
 
@@ -188,3 +189,26 @@ def test_vs_trl_with_runs_none_runs_nothing(tiny_chat_model, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "running" not in result.stdout and (tmp_path / "runs" / "data" / "reward.py").exists()
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["data"]
+
+
+def test_real_lengths_splits_each_iteration_into_its_parts(tiny_chat_model, tmp_path):
+    """--real-lengths at the tiny model's scale (replies of up to 128 tokens, 5 steps of 32 responses) for our two
+    sides (TRL's need their own environments): a row each, whose parts add up to no more than its step, padded shares
+    in [0, 1) read from the runs' splits, and one decode step timed at four batch sizes."""
+    result = run_script("benchmarks/real_model.py", "--real-lengths", "--runs", "rloo-grpo", "ppo", "--model-folder",
+                        tiny_chat_model, "--out", tmp_path, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    lines = result.stdout.strip().splitlines()
+    header = lines.index(next(line for line in lines if line.startswith("| side | s/iter | generation |")))
+    rows = {cells[0]: cells[1:] for cells in ([c.strip() for c in line.strip("|").split("|")]
+                                               for line in lines[header + 2:header + 4])}
+    assert list(rows) == ["rloo-grpo", "ppo"]
+    for name, cells in rows.items():
+        splits = read_rows(tmp_path / name / "splits.jsonl")
+        assert [s["iteration"] for s in splits] == [0, 1, 2, 3, 4, 5]
+        step, parts, rest = float(cells[0]), [float(c) for c in cells[1:6]], float(cells[6])
+        assert step > 0 and all(x >= 0 for x in parts) and rest > -0.05 and abs(step - sum(parts) - rest) < 0.15
+        decode, update = map(float, cells[7].split(" / "))
+        assert 0 <= decode < 1 and 0 <= update < 1 and 0 < int(cells[8]) <= real_model.LONG_NEW_TOKENS
+        assert all(s["real_positions"] <= s["computed_positions"] for s in splits[1:])
+    assert len(re.findall(r"\d+ rows \d+ ms", lines[-1])) == 4
