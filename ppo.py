@@ -318,9 +318,8 @@ def ppo_step(policy, value_model, ref_policy, optimizer, queries: torch.Tensor, 
     input_ids = torch.cat([queries, responses], 1)  # [B, Lq + T]
     attention_mask = torch.cat([query_mask, valid], 1).long()
 
-    # 2. Rollout forward passes without gradients, in chunks: the policy's old logprobs and values, the reference's
-    # logprobs on the policy sampler's support (logprobs_on_support); in one mini-batch without accumulation the
-    # first epoch's pass is the rollout's (kept, not run twice), and the policy runs here only if a filter needs it.
+    # 2. Rollout passes, no gradients: old logprobs and values, the reference's on the policy sampler's support; in
+    # one mini-batch without accumulation the first epoch's pass is the rollout's, the policy here only for a filter.
     def forward(i) -> tuple:  # the update's forward pass, with gradients: logprobs, entropy and values of rows i
         with autocast(hp.dtype, device):
             return *response_logprobs(policy, input_ids[i], attention_mask[i], responses[i], hp.temperature, support,
@@ -362,8 +361,7 @@ def ppo_step(policy, value_model, ref_policy, optimizer, queries: torch.Tensor, 
         advantages, returns = gae(per_token, old_values, hp.gamma, hp.lam)
         advantages = masked_whiten(advantages, train) * train
 
-    # 5. PPO epochs over shuffled mini-batches; losses are token sums divided by the mini-batch's token count over
-    # all processes, so gradient accumulation and data parallelism give the gradient of the whole mini-batch.
+    # 5. PPO epochs over shuffled mini-batches; token sums / the mini-batch's tokens on all processes (one gradient).
     params = [p for g in optimizer.param_groups for p in g["params"]]
     stats = {key: [] for key in ("policy/approxkl_avg", "policy/clipfrac_avg", "policy/entropy_avg", "loss/policy_avg",
                                  "loss/value_avg", "val/clipfrac_avg", "val/ratio")}  # one value per micro-batch
@@ -408,15 +406,12 @@ def ppo_step(policy, value_model, ref_policy, optimizer, queries: torch.Tensor, 
     # 6. Metrics (means over this process's batch; the caller averages them over processes).
     eos = (responses == eos_token_id) & valid if eos_token_id is not None else torch.zeros_like(valid)  # [B, T]
     return {
-        "objective/kl": kl.sum(1).mean().item(),
-        "objective/entropy": (-old_logprobs * train).sum(1).mean().item(),
+        "objective/kl": kl.sum(1).mean().item(), "objective/entropy": (-old_logprobs * train).sum(1).mean().item(),
         "objective/non_score_reward": non_score.sum(1).mean().item(),
-        "objective/rlhf_reward": (scores + non_score.sum(1)).mean().item(),
-        "objective/scores": scores.mean().item(),
+        "objective/rlhf_reward": (scores + non_score.sum(1)).mean().item(), "objective/scores": scores.mean().item(),
         **{key: torch.stack(values).mean().item() if values else float("nan") for key, values in stats.items()},
         "val/ratio_var": torch.stack(stats["val/ratio"]).var().item() if len(stats["val/ratio"]) > 1 else 0.0,
-        "val/num_eos_tokens": eos.sum().item(),
-        "val/response_length": valid.sum(1).float().mean().item(),
+        "val/num_eos_tokens": eos.sum().item(), "val/response_length": valid.sum(1).float().mean().item(),
         "loss/nonfinite_skipped": float(skipped),
         **({} if sampler_logprobs is None else sampler_metrics(old_logprobs, sampler_logprobs, train)),
     }
@@ -752,10 +747,9 @@ def model_context(model) -> int:
 def check_task(task: TaskArgs) -> bool:
     """Validate a task's flags before loading; True if its prompts are the built-in sums (no source given)."""
     has_prompts = bool(task.dataset or task.prompt_fn)
-    has_reward = bool(task.reward_fn or task.reward_model or task.prm_model)
     if task.dataset and task.prompt_fn:
         fail("--prompt-fn", task.prompt_fn, "give one prompt source: --dataset or --prompt-fn, not both")
-    if has_prompts and not has_reward:
+    if has_prompts and not (task.reward_fn or task.reward_model or task.prm_model):
         fail("--reward-fn", [], "these prompts need a reward: give --reward-fn and/or --reward-model")
     if task.reward_weights is not None and len(task.reward_weights) != len(task.reward_fn):
         fail("--reward-weights", task.reward_weights, f"give one weight per --reward-fn ({len(task.reward_fn)})")
@@ -871,20 +865,19 @@ def load_task(task: TaskArgs, tokenizer, context: int, max_new_tokens: int, trus
 
 def draw_rows(task: Task, state: dict, n: int, seed: int) -> list[dict]:
     """The next n prompt rows (a dataset in a seeded order each epoch, or a prompt function); `state`: the place."""
-    source = task.source
-    if callable(source):
+    if callable(task.source):
         rng = random.Random()
         rng.setstate(state["rng"])
-        rows = check_rows([source(rng) for _ in range(n)], task.args.prompt_fn)
+        rows = check_rows([task.source(rng) for _ in range(n)], task.args.prompt_fn)
         state["rng"] = rng.getstate()
         return rows
     rows = []
     while len(rows) < n:
-        order = torch.randperm(len(source), generator=torch.Generator().manual_seed(seed + state["epoch"]))
+        order = torch.randperm(len(task.source), generator=torch.Generator().manual_seed(seed + state["epoch"]))
         take = order[state["pos"]: state["pos"] + n - len(rows)].tolist()
-        rows += [source[i] for i in take]
+        rows += [task.source[i] for i in take]
         state["pos"] += len(take)
-        if state["pos"] >= len(source):
+        if state["pos"] >= len(task.source):
             state["epoch"], state["pos"] = state["epoch"] + 1, 0
     return rows
 
@@ -904,8 +897,7 @@ def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.cumsum(1) - 1).clamp(min=0)
 
 
-CHECKED: dict[tuple, bool] = {}  # per model class and config, once: "head": are its logits its output layer on its
-# last hidden state? "packs": do sequences packed in one row stay apart?
+CHECKED: dict[tuple, bool] = {}  # (model class and config, "head" or "packs"): the checks made once per model
 
 
 def packed_inputs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int) -> tuple:
@@ -971,9 +963,8 @@ def forward_to_head(model, keep: int, chunk: int, **inputs) -> tuple:
 
 
 def over_logits(heads: list, hs: list, tokens: torch.Tensor, fn: Callable, chunk: int, mask=None) -> tuple:
-    """fn(*logits, tokens [B, T]) -> [B, T] tensors (or None), each logits a head on its h [B, T, *], about `chunk`
-    logits a model at a time, recomputed in backward (checkpoint) if more than one chunk, all at once for chunk 0 or
-    logits (Identity); with mask [B, T], only there (0 elsewhere)."""
+    """fn(*logits, tokens [B, T]) -> [B, T] tensors (or None), logits = head(h [B, T, *]), ~`chunk` a model at a time,
+    recomputed in backward if > 1 chunk, at once if chunk 0 or logits (Identity); mask [B, T]: only there, 0 off it."""
     B, T = tokens.shape
     if mask is not None:  # the masked positions alone, [1, N], scattered back
         keep = mask.flatten().nonzero()[:, 0]
@@ -1088,11 +1079,10 @@ def compiled_decode_step(mode: str) -> Callable:
 @torch.no_grad()
 def decode_loop(model, queries: torch.Tensor, attention_mask: torch.Tensor, gen: GenerationConfig,
                 stop: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Responses [B, T] to left-padded queries [B, Lq] sampled as `generate` does, the logprob [B, T] of each token as
-    drawn (0 after a row ended) and the rows stepped: a forward of the prompts fills the cache, then a token a step.
-    Rows end at EOS or stop(new_ids [B, t]), the loop when every process's have. Compiled (gen.compile_config): a
-    static cache, a graph a batch size; eager it grows. Below gen.compact_below live, finished rows leave the batch
-    (compiled: to half, down to a quarter; one stays if none is live: FSDP's forwards are collectives)."""
+    """Responses [B, T] to left-padded queries [B, Lq] sampled as `generate` does, each token's logprob [B, T] as drawn
+    (0 after its row ended) and the rows stepped: the prompts' forward fills the cache, then a token a step. Rows end
+    at EOS or stop(new_ids [B, t]), the loop when every process's have. Below gen.compact_below live, finished rows
+    leave (compiled: to half, down to a quarter; one stays if none is live: FSDP's forwards are collectives)."""
     (B, Lq), T, compiled = queries.shape, gen.max_new_tokens, gen.compile_config is not None
     length = -(-(Lq + T) // 16) * 16  # a static cache's: prompt and response, up to 16s (batches share a graph)
     cache = static_cache(model, B, length) if compiled else DynamicCache(config=model.config)
@@ -1104,8 +1094,7 @@ def decode_loop(model, queries: torch.Tensor, attention_mask: torch.Tensor, gen:
     C = length if compiled else Lq + T
     mask = torch.nn.functional.pad(attention_mask, (0, C - Lq), value=1)  # [B, C]: 0 on left padding only
     step = compiled_decode_step(gen.compile_config.mode) if compiled else decode_step
-    # the prompts in one eager forward: a compiled one would trace the cache's first fill, unfit for CUDA graphs
-    with torch.compiler.set_stance("force_eager"):
+    with torch.compiler.set_stance("force_eager"):  # compiled, the cache's first fill is unfit for CUDA graphs
         logits = model(input_ids=queries, attention_mask=mask[:, :C if compiled else Lq], use_cache=True,
                        position_ids=position_ids_from(attention_mask), logits_to_keep=1, cache=cache).logits[:, -1]
     ids = torch.nn.functional.pad(queries, (0, T), value=gen.pad_token_id)  # [B, Lq + T]: prompts, then responses
@@ -1189,16 +1178,12 @@ def takes_cache(model: torch.nn.Module) -> bool:
 def cut_responses(tokenizer, responses: torch.Tensor, stop_strings: list[str]) -> tuple:
     """Responses cut after their first EOS or stop string (bisected), padded: responses [B, T], lengths, ended [B]."""
     rows, lengths, ended = responses.tolist(), [], []
-
-    def holds_stop(ids: list[int]) -> bool:
-        return any(s in tokenizer.decode(ids) for s in stop_strings)
-
+    holds_stop = lambda ids: any(s in tokenizer.decode(ids) for s in stop_strings)
     for row in rows:
         n = row.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in row else len(row)
         done = tokenizer.eos_token_id in row
         if stop_strings and holds_stop(row[:n]):
-            n = bisect.bisect_left(range(n + 1), True, lo=1, key=lambda k: holds_stop(row[:k]))
-            done = True
+            n, done = bisect.bisect_left(range(n + 1), True, lo=1, key=lambda k: holds_stop(row[:k])), True
         row[n:] = [tokenizer.pad_token_id] * (len(row) - n)
         lengths.append(n)
         ended.append(done)
@@ -1236,16 +1221,13 @@ def call_reward_fns(reward_fns: list, weights: list[float], prompts: list, compl
 @torch.no_grad()
 def reward_model_scores(reward_model, rm_tokenizer, prompts: list, texts: list[str]) -> torch.Tensor:
     """Scores [B] by a one-label sequence classifier: prompt + text, or chat messages through its chat template."""
-    if isinstance(prompts[0], str):
-        enc = rm_tokenizer([p + t for p, t in zip(prompts, texts)], return_tensors="pt", padding=True,
-                           padding_side="right")
-    else:
-        if not rm_tokenizer.chat_template:
-            fail("--reward-model", rm_tokenizer.name_or_path, "the prompts are chat messages but its tokenizer has no "
-                                                              "chat template; give it one, or string prompts")
-        chats = [rm_tokenizer.apply_chat_template([*p, {"role": "assistant", "content": t}], tokenize=False)
-                 for p, t in zip(prompts, texts)]
-        enc = rm_tokenizer(chats, add_special_tokens=False, return_tensors="pt", padding=True, padding_side="right")
+    chat = not isinstance(prompts[0], str)
+    if chat and not rm_tokenizer.chat_template:
+        fail("--reward-model", rm_tokenizer.name_or_path, "the prompts are chat messages but its tokenizer has no "
+                                                          "chat template; give it one, or string prompts")
+    seqs = [rm_tokenizer.apply_chat_template([*p, {"role": "assistant", "content": t}], tokenize=False) if chat
+            else p + t for p, t in zip(prompts, texts)]
+    enc = rm_tokenizer(seqs, add_special_tokens=not chat, return_tensors="pt", padding=True, padding_side="right")
     return reward_model(**enc.to(reward_model.device)).logits[:, 0].float().cpu()
 
 
@@ -1288,14 +1270,12 @@ def rollout(policy, tokenizer, rows: list[dict], gen: GenerationConfig, stop_str
              f"exceeds the model's context of {task.context}; shorten the prompts or lower --max-new-tokens")
     queries = left_pad(ids, tokenizer.pad_token_id)
     device = next(policy.parameters()).device
-    responses, lengths, ended, sampler_logprobs, stepped = generate(policy, tokenizer, queries.to(device), gen,
-                                                                    stop_strings)
+    responses, lengths, ended, logprobs, stepped = generate(policy, tokenizer, queries.to(device), gen, stop_strings)
     completion_ids = [row[:n] for row, n in zip(responses.tolist(), lengths.tolist())]
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     completions = texts if isinstance(prompts[0], str) else [[{"role": "assistant", "content": t}] for t in texts]
-    columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt"}
-    scores = call_reward_fns(task.reward_fns, task.weights, prompts, completions, completion_ids, columns,
-                             task.reward_model is not None)
+    scores = call_reward_fns(task.reward_fns, task.weights, prompts, completions, completion_ids,
+                             {k: [r[k] for r in rows] for k in rows[0] if k != "prompt"}, task.reward_model is not None)
     if task.reward_model is not None:
         scores += task.args.reward_model_weight * reward_model_scores(task.reward_model, task.rm_tokenizer, prompts,
                                                                          texts)
@@ -1304,7 +1284,7 @@ def rollout(policy, tokenizer, rows: list[dict], gen: GenerationConfig, stop_str
     process = None if task.prm is None else process_rewards(
         task.prm, task.prm_tokenizer, tokenizer, prompts, completion_ids, task.args.prm_separator)
     masks = (torch.arange(responses.shape[1])[None] < lengths[:, None]).long()
-    return {"queries": queries, "responses": responses, "masks": masks, "sampler_logprobs": sampler_logprobs,
+    return {"queries": queries, "responses": responses, "masks": masks, "sampler_logprobs": logprobs,
             "scores": scores, "ended": ended, "prompts": prompts, "texts": texts, "process": process,
             "decode_live_frac": lengths.sum().item() / stepped}
 
@@ -1417,8 +1397,7 @@ def setup_distributed() -> tuple[int, int, torch.device]:
 
 def shard(model: torch.nn.Module, mesh) -> torch.nn.Module:
     """FSDP2: shard each decoder layer (its _no_split_modules), then the rest (with LoRA: inside peft's wrapper)."""
-    # private, but the one place where transformers names a model's layer classes (its device_map code reads it too)
-    layers = set(getattr(model, "_no_split_modules", None) or [])
+    layers = set(getattr(model, "_no_split_modules", None) or [])  # private, but device_map's list of layer classes
     for module in model.modules():
         if type(module).__name__ in layers:
             fully_shard(module, mesh=mesh)

@@ -1,15 +1,13 @@
 """RLOO (REINFORCE leave-one-out) for language models, in one file.
 
 Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization for Learning from Human Feedback in
-LLMs" (arXiv 2402.14740), after Kool et al. 2019 ("Buy 4 REINFORCE samples, get a baseline for free"). Each prompt
-gets k samples; the baseline of each sample is the mean reward of the other k - 1, so no value model is needed.
-docs/rloo.md explains every numbered step and every logged metric.
+LLMs" (arXiv 2402.14740), after Kool et al. 2019 ("Buy 4 REINFORCE samples, get a baseline for free"): k samples a
+prompt, each baselined by the other k - 1's mean reward: no value model. docs/rloo.md explains each step and metric.
 
     python rloo.py                                      # built-in task: single-digit addition, tiny model, offline
     python rloo.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset prompts.jsonl --reward-fn my_rewards.py:score
 
-Prompt sources, rewards, generation, run records and checkpoints are ppo.py's, copied (tests/test_copies.py keeps the
-copies identical) so that this file stands alone. Custom loops import `rloo_step`."""
+The machinery is ppo.py's, copied (identical: tests/test_copies.py) to stand alone. Custom loops import `rloo_step`."""
 
 from __future__ import annotations
 
@@ -71,8 +69,7 @@ class RLOOHParams:
     scale_rewards: Literal["none", "group", "batch"] = "none"
     """divide the advantages by the reward std of the group (GRPO) or of the whole batch, all processes (none: RLOO)"""
     loss_type: Literal["dapo", "grpo", "bnpo", "dr_grpo"] = "dapo"
-    """how token losses become one (see aggregate_loss): dapo, token sums over all tokens; grpo, each response's mean,
-    then the mean over responses; bnpo, over this process's tokens; dr_grpo, over responses x max_completion_length"""
+    """token losses to one (aggregate_loss): dapo over all tokens, grpo a mean of response means, bnpo, dr_grpo"""
     max_completion_length: int | None = None
     """dr_grpo's constant (None: --max-new-tokens in the scripts, the batch's response width in a custom loop)"""
     kl_coef: float = 0.05
@@ -86,8 +83,7 @@ class RLOOHParams:
     epsilon_high: float | None = None
     """clip the ratio to [1 - cliprange, 1 + epsilon_high] (DAPO's clip-higher; None: cliprange on both sides)"""
     importance_sampling_level: Literal["token", "sequence", "sequence_sum"] = "token"
-    """token: a ratio per token; sequence: one per response, the exp of its mean token log-ratio (GSPO);
-    sequence_sum: of its summed token log-ratios, the response's probability ratio (TRL's RLOOTrainer)"""
+    """a ratio per token, or one per response: exp of its mean token log-ratio (sequence: GSPO), of their sum"""
     mask_truncated_completions: bool = False
     """no loss for responses that end with neither EOS nor a stop string (they still count in their group's baseline)"""
     temperature: float = 1.0
@@ -274,8 +270,7 @@ def kl_estimator_for(hp: RLOOHParams) -> str:
 
 
 def group_advantages(rewards: torch.Tensor, k: int, baseline: str, scale: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Advantages [B] and baselines [B] of rewards [B], each prompt's k samples contiguous, as --baseline and
-    --scale-rewards say (leave_one_out: A = k / (k - 1) x (R - group mean); the std as TRL's: Bessel's, + 1e-4)."""
+    """Advantages and baselines [B] of rewards [B], k contiguous per prompt: --baseline, --scale-rewards (TRL's std)."""
     grouped = rewards.view(-1, k)  # [P, k]
     baselines = ((grouped.sum(1, keepdim=True) - grouped) / (k - 1) if baseline == "leave_one_out"
                  else grouped.mean(1, keepdim=True).expand_as(grouped))
@@ -291,9 +286,8 @@ def group_advantages(rewards: torch.Tensor, k: int, baseline: str, scale: str) -
 
 def aggregate_loss(losses: torch.Tensor, mask: torch.Tensor, loss_type: str, tokens: torch.Tensor,
                    accumulation: int, max_completion_length: int) -> torch.Tensor:
-    """One micro-batch's loss from token losses [b, T] on mask [b, T], as TRL's loss_type. dapo: the token sum over
-    `tokens` (the mini-batch's on all processes / processes: every token weighs the same). The others per micro-batch,
-    / the accumulation steps: bnpo, over its tokens; grpo, the mean of response means; dr_grpo, / (responses x max)."""
+    """One micro-batch's loss from token losses [b, T] on mask [b, T] as TRL's loss_type: dapo, the sum over `tokens`
+    (the mini-batch's on all processes); per micro-batch / accumulation: bnpo, grpo (response means), dr_grpo."""
     if loss_type == "dapo":
         return (losses * mask).sum() / tokens
     if loss_type == "bnpo":
@@ -315,10 +309,9 @@ def sequence_rewards(scores: torch.Tensor, process: list | None, aggregate: str,
 
 def shared_prefix_hidden(policy, queries: torch.Tensor, responses: torch.Tensor, valid: torch.Tensor,
                          pad_token_id: int, chunk: int = 0) -> tuple:
-    """(h [B, T, H], the output layer) where the logits score k responses per prompt (forward_to_head); queries [P, Lq]
-    left-padded, responses and valid [B, T]. Each prompt is forwarded once, its KV cache repeated k times, unless
-    each response after a copy of its prompt, packed (response_hidden), computes fewer positions (uneven lengths),
-    or there is no cache (checkpointed layers, or no cache object: takes_cache)."""
+    """(h [B, T, H], the output layer) where the logits score k responses per prompt (queries [P, Lq] left-padded,
+    responses and valid [B, T]): each prompt forwarded once, its KV cache repeated k times, unless packing each response
+    after its prompt (response_hidden) computes fewer positions, or there is no cache (checkpointing; takes_cache)."""
     (P, Lq), (B, T) = queries.shape, responses.shape
     query_mask = ((queries != pad_token_id).cumsum(1) > 0).long()
     mask = torch.cat([query_mask.repeat_interleave(B // P, 0), valid.long()], 1)  # [B, Lq + T]
@@ -370,29 +363,26 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
     sampler_logprobs = None if sampler_logprobs is None else sampler_logprobs.to(device)  # [B, T], moved once
     high = hp.cliprange if hp.epsilon_high is None else hp.epsilon_high
 
-    # 1. Masks: `valid` is the response itself (padding excluded), `train` the valid tokens not masked out, `in_loss`
-    # the trained tokens of the responses that get a loss (with mask_truncated_completions, only those that ended).
+    # 1. Masks: `valid` the response (no padding), `train` its tokens not masked out, `in_loss` those with a loss.
     valid = response_valid_mask(responses, pad_token_id, eos_token_id, None if masks is None else masks.to(device))
     train = valid & (masks.to(device).bool() if masks is not None else True)
     eos = (responses == eos_token_id) & valid if eos_token_id is not None else torch.zeros_like(valid)  # [B, T]
     ended = eos.any(1) if ended is None else ended.to(device).bool()  # [B] ended with EOS (or a stop string)
     in_loss = train & ended[:, None] if hp.mask_truncated_completions else train  # [B, T]
 
-    # 2. Rollout forward passes without gradients, in chunks of whole prompts: the policy's old logprobs if needed
-    # before the update (on-policy: the training passes' own; in one batch that pass runs here), the reference's on
-    # the policy sampler's support (logprobs_on_support; with a filter the policy runs here for its support).
+    # 2. Rollout passes, no gradients, by whole prompts: the policy's old logprobs if needed (on-policy: the training
+    # pass's own, run here if one batch), the reference's on the sampler's support (a filter: the policy runs here too).
+    def forward(p, i) -> tuple:  # the update's forward pass, with gradients: logprobs and entropy of prompts p, rows i
+        with autocast(hp.dtype, device):
+            return shared_prefix_logprobs(policy, queries[p], responses[i], valid[i], pad_token_id, hp.temperature,
+                                          support, True, chunk=hp.logits_chunk)
+
     on_policy = hp.num_ppo_epochs == 1 and hp.num_mini_batches == 1
     fused = on_policy and hp.gradient_accumulation_steps == 1
     need_old = not on_policy or (hp.kl_in_reward and hp.kl_coef > 0 and not fused)
     with_policy = need_old or (hp.kl_coef > 0 and support != (0, 1.0, 0.0))
     per_chunk = max(1, hp.forward_batch_size // k)
     chunks = [(slice(p, p + per_chunk), slice(p * k, (p + per_chunk) * k)) for p in range(0, P, per_chunk)]
-
-    def forward(p, i) -> tuple:  # the update's forward pass, with gradients: logprobs and entropy of prompts p, rows i
-        with autocast(hp.dtype, device):
-            return shared_prefix_logprobs(policy, queries[p], responses[i], valid[i], pad_token_id, hp.temperature,
-                                          support, True, chunk=hp.logits_chunk)
-
     first = forward(slice(None), slice(None)) if fused else None  # [B, T] each
     with torch.no_grad(), autocast(hp.dtype, device):
         parts = []
@@ -410,7 +400,6 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
         else:  # on-policy
             old_logprobs = first[0].detach() if fused else torch.zeros(B, T, device=device)
         ref_logprobs = torch.cat([p[-1] for p in parts]) if hp.kl_coef > 0 else None
-
         def kl_of(logprobs: torch.Tensor, i=slice(None)) -> torch.Tensor:  # [b, T] per-token KL of rows i (0 if no KL)
             return kl_penalty(logprobs, ref_logprobs[i], estimator) if hp.kl_coef > 0 else torch.zeros_like(logprobs)
 
@@ -570,8 +559,6 @@ def main(args: Args) -> None:
                 (kept if signal else aside).append(group)
         if rounds > 1 or aside:  # one batch from several rounds; set-aside groups fill it where they ran out
             out = stack_groups((kept + aside)[:local_prompts], tokenizer.pad_token_id)
-        sampling = {"sampling/rounds": rounds, "sampling/equal_frac": len(aside) / (rounds * local_prompts),
-                    "sampling/decode_live_frac": sum(live) / rounds}
         # 9. Update: one rloo_step on the batch.
         try:
             metrics = rloo_step(policy, ref_policy, optimizer, out["queries"], out["responses"], out["rewards"],
@@ -581,10 +568,11 @@ def main(args: Args) -> None:
             fail("--skip-nonfinite", False, f"{e} at iteration {iteration}: the run stops here, its last good "
                  "checkpoint kept; lower --learning-rate, check the rewards, or pass --skip-nonfinite")
         # 10. Log: metrics averaged over processes (counts summed), a row per iteration; evaluation every --eval-every.
+        metrics |= {"sampling/rounds": rounds, "sampling/equal_frac": len(aside) / (rounds * local_prompts),
+                    "sampling/decode_live_frac": sum(live) / rounds}
         state["episode"] += args.batch_size
         row = {"iteration": iteration, "episode": state["episode"], "elapsed_s": round(time.time() - t0, 3),
-               "lr": optimizer.param_groups[0]["lr"],
-               **average_metrics({**metrics, **sampling}, device, ("val/num_eos_tokens",))}
+               "lr": optimizer.param_groups[0]["lr"], **average_metrics(metrics, device, ("val/num_eos_tokens",))}
         samples = None
         if iteration % args.eval_every == 0 or iteration == num_iterations:
             with autocast(hp.dtype, device):
@@ -845,10 +833,9 @@ def model_context(model) -> int:
 def check_task(task: TaskArgs) -> bool:
     """Validate a task's flags before loading; True if its prompts are the built-in sums (no source given)."""
     has_prompts = bool(task.dataset or task.prompt_fn)
-    has_reward = bool(task.reward_fn or task.reward_model or task.prm_model)
     if task.dataset and task.prompt_fn:
         fail("--prompt-fn", task.prompt_fn, "give one prompt source: --dataset or --prompt-fn, not both")
-    if has_prompts and not has_reward:
+    if has_prompts and not (task.reward_fn or task.reward_model or task.prm_model):
         fail("--reward-fn", [], "these prompts need a reward: give --reward-fn and/or --reward-model")
     if task.reward_weights is not None and len(task.reward_weights) != len(task.reward_fn):
         fail("--reward-weights", task.reward_weights, f"give one weight per --reward-fn ({len(task.reward_fn)})")
@@ -964,20 +951,19 @@ def load_task(task: TaskArgs, tokenizer, context: int, max_new_tokens: int, trus
 
 def draw_rows(task: Task, state: dict, n: int, seed: int) -> list[dict]:
     """The next n prompt rows (a dataset in a seeded order each epoch, or a prompt function); `state`: the place."""
-    source = task.source
-    if callable(source):
+    if callable(task.source):
         rng = random.Random()
         rng.setstate(state["rng"])
-        rows = check_rows([source(rng) for _ in range(n)], task.args.prompt_fn)
+        rows = check_rows([task.source(rng) for _ in range(n)], task.args.prompt_fn)
         state["rng"] = rng.getstate()
         return rows
     rows = []
     while len(rows) < n:
-        order = torch.randperm(len(source), generator=torch.Generator().manual_seed(seed + state["epoch"]))
+        order = torch.randperm(len(task.source), generator=torch.Generator().manual_seed(seed + state["epoch"]))
         take = order[state["pos"]: state["pos"] + n - len(rows)].tolist()
-        rows += [source[i] for i in take]
+        rows += [task.source[i] for i in take]
         state["pos"] += len(take)
-        if state["pos"] >= len(source):
+        if state["pos"] >= len(task.source):
             state["epoch"], state["pos"] = state["epoch"] + 1, 0
     return rows
 
@@ -997,8 +983,7 @@ def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.cumsum(1) - 1).clamp(min=0)
 
 
-CHECKED: dict[tuple, bool] = {}  # per model class and config, once: "head": are its logits its output layer on its
-# last hidden state? "packs": do sequences packed in one row stay apart?
+CHECKED: dict[tuple, bool] = {}  # (model class and config, "head" or "packs"): the checks made once per model
 
 
 def packed_inputs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int) -> tuple:
@@ -1064,9 +1049,8 @@ def forward_to_head(model, keep: int, chunk: int, **inputs) -> tuple:
 
 
 def over_logits(heads: list, hs: list, tokens: torch.Tensor, fn: Callable, chunk: int, mask=None) -> tuple:
-    """fn(*logits, tokens [B, T]) -> [B, T] tensors (or None), each logits a head on its h [B, T, *], about `chunk`
-    logits a model at a time, recomputed in backward (checkpoint) if more than one chunk, all at once for chunk 0 or
-    logits (Identity); with mask [B, T], only there (0 elsewhere)."""
+    """fn(*logits, tokens [B, T]) -> [B, T] tensors (or None), logits = head(h [B, T, *]), ~`chunk` a model at a time,
+    recomputed in backward if > 1 chunk, at once if chunk 0 or logits (Identity); mask [B, T]: only there, 0 off it."""
     B, T = tokens.shape
     if mask is not None:  # the masked positions alone, [1, N], scattered back
         keep = mask.flatten().nonzero()[:, 0]
@@ -1181,11 +1165,10 @@ def compiled_decode_step(mode: str) -> Callable:
 @torch.no_grad()
 def decode_loop(model, queries: torch.Tensor, attention_mask: torch.Tensor, gen: GenerationConfig,
                 stop: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Responses [B, T] to left-padded queries [B, Lq] sampled as `generate` does, the logprob [B, T] of each token as
-    drawn (0 after a row ended) and the rows stepped: a forward of the prompts fills the cache, then a token a step.
-    Rows end at EOS or stop(new_ids [B, t]), the loop when every process's have. Compiled (gen.compile_config): a
-    static cache, a graph a batch size; eager it grows. Below gen.compact_below live, finished rows leave the batch
-    (compiled: to half, down to a quarter; one stays if none is live: FSDP's forwards are collectives)."""
+    """Responses [B, T] to left-padded queries [B, Lq] sampled as `generate` does, each token's logprob [B, T] as drawn
+    (0 after its row ended) and the rows stepped: the prompts' forward fills the cache, then a token a step. Rows end
+    at EOS or stop(new_ids [B, t]), the loop when every process's have. Below gen.compact_below live, finished rows
+    leave (compiled: to half, down to a quarter; one stays if none is live: FSDP's forwards are collectives)."""
     (B, Lq), T, compiled = queries.shape, gen.max_new_tokens, gen.compile_config is not None
     length = -(-(Lq + T) // 16) * 16  # a static cache's: prompt and response, up to 16s (batches share a graph)
     cache = static_cache(model, B, length) if compiled else DynamicCache(config=model.config)
@@ -1197,8 +1180,7 @@ def decode_loop(model, queries: torch.Tensor, attention_mask: torch.Tensor, gen:
     C = length if compiled else Lq + T
     mask = torch.nn.functional.pad(attention_mask, (0, C - Lq), value=1)  # [B, C]: 0 on left padding only
     step = compiled_decode_step(gen.compile_config.mode) if compiled else decode_step
-    # the prompts in one eager forward: a compiled one would trace the cache's first fill, unfit for CUDA graphs
-    with torch.compiler.set_stance("force_eager"):
+    with torch.compiler.set_stance("force_eager"):  # compiled, the cache's first fill is unfit for CUDA graphs
         logits = model(input_ids=queries, attention_mask=mask[:, :C if compiled else Lq], use_cache=True,
                        position_ids=position_ids_from(attention_mask), logits_to_keep=1, cache=cache).logits[:, -1]
     ids = torch.nn.functional.pad(queries, (0, T), value=gen.pad_token_id)  # [B, Lq + T]: prompts, then responses
@@ -1282,16 +1264,12 @@ def takes_cache(model: torch.nn.Module) -> bool:
 def cut_responses(tokenizer, responses: torch.Tensor, stop_strings: list[str]) -> tuple:
     """Responses cut after their first EOS or stop string (bisected), padded: responses [B, T], lengths, ended [B]."""
     rows, lengths, ended = responses.tolist(), [], []
-
-    def holds_stop(ids: list[int]) -> bool:
-        return any(s in tokenizer.decode(ids) for s in stop_strings)
-
+    holds_stop = lambda ids: any(s in tokenizer.decode(ids) for s in stop_strings)
     for row in rows:
         n = row.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in row else len(row)
         done = tokenizer.eos_token_id in row
         if stop_strings and holds_stop(row[:n]):
-            n = bisect.bisect_left(range(n + 1), True, lo=1, key=lambda k: holds_stop(row[:k]))
-            done = True
+            n, done = bisect.bisect_left(range(n + 1), True, lo=1, key=lambda k: holds_stop(row[:k])), True
         row[n:] = [tokenizer.pad_token_id] * (len(row) - n)
         lengths.append(n)
         ended.append(done)
@@ -1329,16 +1307,13 @@ def call_reward_fns(reward_fns: list, weights: list[float], prompts: list, compl
 @torch.no_grad()
 def reward_model_scores(reward_model, rm_tokenizer, prompts: list, texts: list[str]) -> torch.Tensor:
     """Scores [B] by a one-label sequence classifier: prompt + text, or chat messages through its chat template."""
-    if isinstance(prompts[0], str):
-        enc = rm_tokenizer([p + t for p, t in zip(prompts, texts)], return_tensors="pt", padding=True,
-                           padding_side="right")
-    else:
-        if not rm_tokenizer.chat_template:
-            fail("--reward-model", rm_tokenizer.name_or_path, "the prompts are chat messages but its tokenizer has no "
-                                                              "chat template; give it one, or string prompts")
-        chats = [rm_tokenizer.apply_chat_template([*p, {"role": "assistant", "content": t}], tokenize=False)
-                 for p, t in zip(prompts, texts)]
-        enc = rm_tokenizer(chats, add_special_tokens=False, return_tensors="pt", padding=True, padding_side="right")
+    chat = not isinstance(prompts[0], str)
+    if chat and not rm_tokenizer.chat_template:
+        fail("--reward-model", rm_tokenizer.name_or_path, "the prompts are chat messages but its tokenizer has no "
+                                                          "chat template; give it one, or string prompts")
+    seqs = [rm_tokenizer.apply_chat_template([*p, {"role": "assistant", "content": t}], tokenize=False) if chat
+            else p + t for p, t in zip(prompts, texts)]
+    enc = rm_tokenizer(seqs, add_special_tokens=not chat, return_tensors="pt", padding=True, padding_side="right")
     return reward_model(**enc.to(reward_model.device)).logits[:, 0].float().cpu()
 
 
@@ -1381,14 +1356,12 @@ def rollout(policy, tokenizer, rows: list[dict], gen: GenerationConfig, stop_str
              f"exceeds the model's context of {task.context}; shorten the prompts or lower --max-new-tokens")
     queries = left_pad(ids, tokenizer.pad_token_id)
     device = next(policy.parameters()).device
-    responses, lengths, ended, sampler_logprobs, stepped = generate(policy, tokenizer, queries.to(device), gen,
-                                                                    stop_strings)
+    responses, lengths, ended, logprobs, stepped = generate(policy, tokenizer, queries.to(device), gen, stop_strings)
     completion_ids = [row[:n] for row, n in zip(responses.tolist(), lengths.tolist())]
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     completions = texts if isinstance(prompts[0], str) else [[{"role": "assistant", "content": t}] for t in texts]
-    columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt"}
-    scores = call_reward_fns(task.reward_fns, task.weights, prompts, completions, completion_ids, columns,
-                             task.reward_model is not None)
+    scores = call_reward_fns(task.reward_fns, task.weights, prompts, completions, completion_ids,
+                             {k: [r[k] for r in rows] for k in rows[0] if k != "prompt"}, task.reward_model is not None)
     if task.reward_model is not None:
         scores += task.args.reward_model_weight * reward_model_scores(task.reward_model, task.rm_tokenizer, prompts,
                                                                          texts)
@@ -1397,7 +1370,7 @@ def rollout(policy, tokenizer, rows: list[dict], gen: GenerationConfig, stop_str
     process = None if task.prm is None else process_rewards(
         task.prm, task.prm_tokenizer, tokenizer, prompts, completion_ids, task.args.prm_separator)
     masks = (torch.arange(responses.shape[1])[None] < lengths[:, None]).long()
-    return {"queries": queries, "responses": responses, "masks": masks, "sampler_logprobs": sampler_logprobs,
+    return {"queries": queries, "responses": responses, "masks": masks, "sampler_logprobs": logprobs,
             "scores": scores, "ended": ended, "prompts": prompts, "texts": texts, "process": process,
             "decode_live_frac": lengths.sum().item() / stepped}
 
@@ -1510,8 +1483,7 @@ def setup_distributed() -> tuple[int, int, torch.device]:
 
 def shard(model: torch.nn.Module, mesh) -> torch.nn.Module:
     """FSDP2: shard each decoder layer (its _no_split_modules), then the rest (with LoRA: inside peft's wrapper)."""
-    # private, but the one place where transformers names a model's layer classes (its device_map code reads it too)
-    layers = set(getattr(model, "_no_split_modules", None) or [])
+    layers = set(getattr(model, "_no_split_modules", None) or [])  # private, but device_map's list of layer classes
     for module in model.modules():
         if type(module).__name__ in layers:
             fully_shard(module, mesh=mesh)

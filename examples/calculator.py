@@ -264,7 +264,7 @@ def run_episodes(policy, tokenizer, prompts: list[str], gen: GenerationConfig, m
         if not active:
             break
         queries = left_pad([ep.prompt_ids + ep.ids for ep in active], tokenizer.pad_token_id)
-        responses, lengths, _, _ = generate(policy, tokenizer, queries.to(device), gen, [STOP])
+        responses, lengths, _, _, _ = generate(policy, tokenizer, queries.to(device), gen, [STOP])
         for ep, row, n in zip(active, responses.tolist(), lengths.tolist()):
             step_episode(ep, row[:n], tokenizer, max_calls, tool)
     return episodes  # all done: each turn but the last ends in a call, so turn max_calls + 1 makes one too many
