@@ -13,6 +13,12 @@ processes take turns (each commit in fp32 and in bf16), and the figure compared 
     python benchmarks/before_after.py --before HEAD~3 --only rloo --iterations 40
     python benchmarks/before_after.py --before 28ab30d --dtype bf16 --only ppo --only prm   # bf16's attention kernel
     python benchmarks/before_after.py --before c120fc9 --bf16-gain --only ppo   # fp32 / bf16, before and after
+    python benchmarks/before_after.py --before e91594c --real-lengths benchmarks/.cache/real_model/SmolLM2-135M-Instruct
+
+--real-lengths times one process's generation and update on the same batch at real lengths instead: SmolLM2's 32
+replies of up to 128 tokens to "Think step by step" sums (real_model.py --real-lengths' task), sampled by each
+commit's decode_loop from the same seed, then one rloo_step with the grpo settings on the same batch (before's
+samples) from the same weights, both commits' functions in turn.
 """
 
 import argparse
@@ -38,6 +44,55 @@ def times_in_turn(algo: str, sides: list[tuple[str, str, Path]], iterations: int
     return [t[vs_trl.WARMUP:-1] for t in vs_trl.in_turn(commands, Path(tmp))]  # the last iteration evaluates
 
 
+def same_batch(before: Path, model: Path, turns: int = 3) -> None:
+    """--real-lengths: seconds of the decode loop and of rloo_step (grpo) on one batch, each commit's in turn."""
+    import copy
+    import importlib.util
+    import time
+
+    import torch
+
+    torch.set_num_threads(2)
+    modules = []
+    for name, root in (("before", before), ("after", ROOT)):
+        spec = importlib.util.spec_from_file_location(f"rloo_{name}", root / "rloo.py")
+        modules.append(importlib.util.module_from_spec(spec))
+        sys.modules[spec.name] = modules[-1]  # dataclasses look their module up
+        spec.loader.exec_module(modules[-1])
+    tokenizer, policy = modules[1].load_policy(str(model), False)
+    policy = modules[1].disable_dropout(policy)
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": f"What is {a}+{b}? Think step by step, then "
+                                             "give the final answer."}], tokenize=False, add_generation_prompt=True)
+             for a, b in [(17, 25), (31, 48), (22, 39), (45, 16), (28, 33), (11, 47), (36, 24), (40, 19)]]
+    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    queries, mask = batch.input_ids.repeat_interleave(4, 0), batch.attention_mask.repeat_interleave(4, 0)
+    hp = modules[1].RECIPES["grpo"][1]().rloo
+    times = {(side, part): [] for side in ("before", "after") for part in ("generation", "update")}
+    responses = None
+    for _ in range(turns):
+        for side, module in zip(("before", "after"), modules):
+            sample, _ = module.generation_configs(module.GenArgs(max_new_tokens=128), tokenizer, 1.0)
+            torch.manual_seed(0)
+            start = time.perf_counter()
+            ids = module.decode_loop(policy, queries, mask, sample)[0]
+            times[side, "generation"].append(time.perf_counter() - start)
+            responses = ids if responses is None else responses  # the update's batch: the first one sampled
+            trained = copy.deepcopy(policy).train().requires_grad_(True)
+            optimizer = module.adamw([trained], 2e-5, 0.0)
+            start = time.perf_counter()
+            module.rloo_step(trained, policy.eval().requires_grad_(False), optimizer, queries, responses,
+                             torch.randn(32, generator=torch.Generator().manual_seed(0)), hp=hp,
+                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+            times[side, "update"].append(time.perf_counter() - start)
+            del trained, optimizer
+    valid = modules[1].response_valid_mask(responses, tokenizer.pad_token_id, tokenizer.eos_token_id)
+    print(f"32 replies, mean {valid.sum(1).float().mean():.0f} of up to {responses.shape[1]} tokens; seconds, "
+          f"medians of {turns} turns\n| part | before | after | after / before |\n| --- | --- | --- | --- |")
+    for part in ("generation", "update"):
+        b, a = (statistics.median(times[side, part]) for side in ("before", "after"))
+        print(f"| {part} | {b:.1f} | {a:.1f} | {a / b:.2f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", default="c120fc9", help="the earlier commit")
@@ -47,13 +102,17 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="both sides in this dtype")
     parser.add_argument("--bf16-gain", action="store_true",
                         help="the bf16 speed gain (fp32 / bf16) before and after: four processes taking turns")
+    parser.add_argument("--real-lengths", type=Path, metavar="MODEL_FOLDER",
+                        help="generation and one rloo_step on the same batch at real lengths (a SmolLM2 folder)")
     args = parser.parse_args()
-    art = artifacts.build()
+    art = None if args.real_lengths else artifacts.build()
     with tempfile.TemporaryDirectory() as tmp:
         before = Path(tmp) / "before"
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(before), args.before], check=True,
                        capture_output=True)
         try:
+            if args.real_lengths:
+                return same_batch(before, args.real_lengths.resolve())
             if args.bf16_gain:
                 print(f"| bf16 gain (fp32 / bf16 s/iter) | before ({args.before}) | after (this checkout) "
                       "| after / before | paired after / before (quartiles) |")

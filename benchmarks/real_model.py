@@ -388,9 +388,10 @@ def write_task(folder: Path, question: str = QUESTION) -> Path:
 # The runs, the table and the plot
 
 
-def run(name: str, spec: Run, model: Path, data: Path, out: Path, episodes_scale: float) -> dict:
-    """Run one script into `out` (its output to out/log.txt) and measure it: its metrics rows, wall minutes and peak
-    resident memory in MB (os.wait4 gives the finished child's own rusage, whose ru_maxrss is in KiB on Linux)."""
+def run(name: str, spec: Run, model: Path, data: Path, out: Path, episodes_scale: float, check: bool = True) -> dict:
+    """Run one script into `out` (its output to out/log.txt) and measure it: its metrics rows, wall minutes, peak
+    resident memory in MB (os.wait4 gives the finished child's own rusage, whose ru_maxrss is in KiB on Linux) and
+    exit code (with check, a failed run stops the benchmark)."""
     episodes = max(1, round(spec.total_episodes * episodes_scale / spec.batch_size)) * spec.batch_size
     if spec.script.endswith("trl_side.py"):  # TRL's side, in its own environment: the same task and evaluation points
         cmd = [str(ROOT / "benchmarks" / spec.python / "bin" / "python"), spec.script, *spec.flags, str(episodes),
@@ -414,13 +415,13 @@ def run(name: str, spec: Run, model: Path, data: Path, out: Path, episodes_scale
         _, status, usage = os.wait4(process.pid, 0)
     process.returncode = os.waitstatus_to_exitcode(status)  # reaped here, so Popen must not wait for it again
     minutes = (time.time() - start) / 60
-    if process.returncode != 0:
+    if process.returncode != 0 and check:
         tail = (out / "log.txt").read_text().splitlines()[-15:]
         sys.exit(f"{name}: {spec.script} failed (exit code {process.returncode}); the end of {out / 'log.txt'}:\n"
                  + "\n".join(tail))
     metrics = out / "metrics.jsonl"  # TRL's --real-lengths sides write splits.jsonl alone
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.exists() else []
-    return {"rows": rows, "minutes": minutes, "peak_mb": usage.ru_maxrss / 1024}
+    return {"rows": rows, "minutes": minutes, "peak_mb": usage.ru_maxrss / 1024, "returncode": process.returncode}
 
 
 def real_lengths(names: list[str], out: Path, model_folder: Path | None, parser) -> None:
@@ -445,18 +446,23 @@ def real_lengths(names: list[str], out: Path, model_folder: Path | None, parser)
         flags = spec.flags + (common + extra if spec.profiled else [])
         print(f"{name}: running, log in {out / name / 'log.txt'}", flush=True)
         result = run(name, Run(spec.script, spec.total_episodes, spec.batch_size, flags, spec.recipe, spec.python,
-                               spec.profiled), model, data, out / name, 1.0)
-        rows.append(split_row(name, out / name / "splits.jsonl", result["peak_mb"]))
+                               spec.profiled), model, data, out / name, 1.0, check=False)
+        rows.append(split_row(name, out / name / "splits.jsonl", result["peak_mb"], result["returncode"]))
         print(rows[-1], flush=True)
     print("\n".join(rows))
     print(step_times(model))
 
 
-def split_row(name: str, path: Path, peak_mb: float) -> str:
+def split_row(name: str, path: Path, peak_mb: float, returncode: int = 0) -> str:
     """One table row from a run's splits.jsonl (our PROFILE's, or trl_side.py's in the same keys): the seconds of the
-    median of steps 2-4 and of its parts; the padded shares and tokens summed over those steps."""
-    steps = [json.loads(line) for line in path.read_text().splitlines()][2:5]  # rows 0 (evaluation), 1..5
-    middle = sorted(steps, key=lambda s: s["iteration_s"])[1]
+    median of steps 2-4 and of its parts; the padded shares, tokens and seconds per 1,000 tokens over those steps. A
+    run that failed (killed for memory: -9) before step 4 gives its step 1, and its name says so."""
+    rows = [json.loads(line) for line in path.read_text().splitlines()]  # rows 0 (evaluation), 1..5
+    steps = rows[2:5]
+    if returncode or len(steps) < 3:
+        steps = [row for row in rows[1:] if "iteration_s" in row][:1]
+        name += f" (exit code {returncode} after {len(rows) - 1} step(s): step 1)"
+    middle = sorted(steps, key=lambda s: s["iteration_s"])[len(steps) // 2]
     total = lambda key: sum(s.get(key, 0.0) for s in steps)
     iteration, part = middle["iteration_s"], lambda key: middle.get(key, 0.0)
     parts = [part("generation"), part("scoring"), part("nograd_forward"), part("grad_forward") + part("backward"),
@@ -467,7 +473,7 @@ def split_row(name: str, path: Path, peak_mb: float) -> str:
     rest = iteration - sum(parts)
     return (f"| {name} | {iteration:.1f} | " + " | ".join(f"{x:.1f}" for x in parts) + f" | {rest:.1f} "
             f"| {decode_padded:.2f} / {update_padded:.2f} | {total('generated_tokens') / max(responses, 1):.0f} | "
-            f"{1000 * iteration / max(part('generated_tokens'), 1):.1f} | {peak_mb:,.0f} |")
+            f"{1000 * total('iteration_s') / max(total('generated_tokens'), 1):.1f} | {peak_mb:,.0f} |")
 
 
 def step_times(model: Path, sizes: tuple = (32, 16, 8, 4), context: int = 100) -> str:

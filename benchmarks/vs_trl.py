@@ -10,6 +10,7 @@ virtual environment (benchmarks/.trl-venv), never into the project's.
     python benchmarks/vs_trl.py --only ppo --dtype bf16 --rounds 1
     python benchmarks/vs_trl.py --learning --seeds 1 2   # RLOO on the built-in task against TRL's RLOOTrainer
     python benchmarks/vs_trl.py --only generation        # the generation line alone
+    python benchmarks/vs_trl.py --only generation --prompt-tokens 16   # after 16-token prompts
     python benchmarks/vs_trl.py --lora-r 16 --rounds 1   # PPO and RLOO, both sides: full, LoRA r 16, + checkpointing
     python benchmarks/vs_trl.py --bf16-gain              # ours only: fp32 and bf16 taking turns, the bf16 speed gain
 
@@ -203,8 +204,8 @@ def bare_compute(algo: str, art: Path, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
-def generation_speed(art: Path, repeats: int = 9) -> tuple[dict[str, float], float]:
-    """Seconds for 32 x 32 sampled tokens after 8-token prompts, the same sampling on every path, medians of
+def generation_speed(art: Path, prompt_tokens: int = 8, repeats: int = 9) -> tuple[dict[str, float], float]:
+    """Seconds for 32 x 32 sampled tokens after prompts of `prompt_tokens`, the same sampling on every path, medians of
     `repeats` runs taken in turn: model.generate; ppo.decode_loop eagerly, as ppo.generate runs it; and that loop as
     --compile runs it (the forward under torch.compile(dynamic=True), the one-token step compiled once, fullgraph and
     fixed shapes, over a static cache). Also the seconds that first compile took."""
@@ -213,7 +214,8 @@ def generation_speed(art: Path, repeats: int = 9) -> tuple[dict[str, float], flo
     policy = ppo.disable_dropout(AutoModelForCausalLM.from_pretrained(art / "policy"))
     compiled_policy = copy.deepcopy(policy)
     compiled_policy.forward = torch.compile(compiled_policy.forward, dynamic=True)
-    queries, mask = torch.randint(3, 4096, (32, 8)), torch.ones(32, 8, dtype=torch.long)
+    queries = torch.randint(3, 4096, (32, prompt_tokens))
+    mask = torch.ones_like(queries)
     gen = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=32, min_new_tokens=32,
                            pad_token_id=0, eos_token_id=2)
     compiled = copy.deepcopy(gen)
@@ -321,6 +323,7 @@ def main() -> None:
     parser.add_argument("--only", choices=["ppo", "rloo", "prm", "generation"], action="append",
                         help="these rows only (the generation line always comes last)")
     parser.add_argument("--iterations", type=int, default=10, help="iterations per run")
+    parser.add_argument("--prompt-tokens", type=int, default=8, help="the generation line's prompt length")
     parser.add_argument("--rounds", type=int, default=2, help="alternating runs of each side")
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--compile", action="store_true", help="our scripts with --compile")
@@ -365,11 +368,11 @@ def main() -> None:
             lines.append(f"| {algo.upper()} | {a:.3f} | {b:.3f} | {b / a:.2f}x | {rss} | {bare:.3f} | "
                          f"{a / bare:.2f} |")
         print(lines[-1], flush=True)
-    seconds, compile_s = generation_speed(art)
+    seconds, compile_s = generation_speed(art, args.prompt_tokens)
     if len(lines) > 2:
         print("\n".join(lines))
     hf = seconds["model.generate"]
-    print("\ngeneration, 32 x 32 sampled tokens after 8-token prompts: " + "; ".join(
+    print(f"\ngeneration, 32 x 32 sampled tokens after {args.prompt_tokens}-token prompts: " + "; ".join(
         f"{name} {s:.3f} s ({1024 / s:,.0f} tokens/s, {hf / s:.2f}x)" for name, s in seconds.items())
         + f"; compiling took {compile_s:.0f} s")
 
