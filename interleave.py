@@ -1,17 +1,23 @@
+# /// script
+# requires-python = ">=3.11"
+# dependencies = ["torch==2.13.0", "transformers==5.24.0", "tokenizers==0.23.3", "safetensors==0.8.0",
+#                 "datasets==5.2.0", "tyro==1.0.17", "wandb==0.31.0", "tqdm==4.70.1", "peft==0.21.2"]
+# ///
+# `uv run interleave.py` needs ppo.py, rloo.py and stepwise_prm.py beside it (it imports them)
 """Interleave training strategies inside one loop: SFT, PPO, RLOO and a process reward model, one shared policy.
 
 A declarative schedule picks the phase that the next step serves: round-robin with per-phase step counts, a seeded
-weighted choice, or transitions on a condition (run a phase until a logged metric crosses a threshold or its step
-budget runs out). The RL phases can hand the prompts they failed to the next SFT turn, with their demonstrations,
-in the spirit of ReLIFT (Ma et al. 2025, arXiv 2506.07527); SFT next to RL is InstructGPT's PPO-ptx idea (Ouyang et
-al. 2022) done as whole steps. docs/interleave.md explains the schedule, the phases and every metric.
+weighted choice, or transitions on a condition (a logged metric crossing a threshold, or a step budget). The RL
+phases can hand the prompts they failed to the next SFT turn, as ReLIFT (Ma et al. 2025, arXiv 2506.07527); SFT next
+to RL is InstructGPT's PPO-ptx idea done as whole steps. docs/interleave.md explains the schedule and every metric.
 
     python interleave.py                                # recipe 'interleaved': SFT and RLOO turn about, built-in task
     python interleave.py sft-then-rl                    # SFT until its loss is low, then RLOO
     python interleave.py rl-with-sft-on-failures --rloo.reward-fn my_rewards.py:score --rloo.prompt-fn ...
 
-The phases call the step functions of the other scripts (`ppo_step`, `rloo_step`, `prm_step`); this file adds
-`sft_step`, the schedule and the loop."""
+The phases call `ppo_step`, `rloo_step` and `prm_step` of the scripts beside it (ppo.py, rloo.py, stepwise_prm.py
+must sit in the same folder); this file adds `sft_step`, the schedule and the loop. Left out: mixing two objectives
+in one gradient step (each step serves one phase), and more than one policy."""
 
 import contextlib
 import copy

@@ -1,14 +1,21 @@
+# /// script
+# requires-python = ">=3.11"
+# dependencies = ["torch==2.13.0", "transformers==5.24.0", "tokenizers==0.23.3", "safetensors==0.8.0",
+#                 "datasets==5.2.0", "tyro==1.0.17", "wandb==0.31.0", "tqdm==4.70.1", "peft==0.21.2"]
+# ///
 """PPO for language models, in one file.
 
-Proximal Policy Optimization (Schulman et al. 2017, arXiv 1707.06347) as used for RLHF by InstructGPT (Ouyang et al.
-2022, arXiv 2203.02155), following "The N+ Implementation Details of RLHF with PPO" (Huang et al. 2024,
-arXiv 2403.17031). docs/ppo.md explains every numbered step and every logged metric.
+Proximal Policy Optimization (Schulman et al. 2017, arXiv 1707.06347) as InstructGPT used it for RLHF (Ouyang et al.
+2022, arXiv 2203.02155), after "The N+ Implementation Details of RLHF with PPO" (Huang et al. 2024, arXiv 2403.17031).
+docs/ppo.md explains every numbered step and every logged metric.
 
     python ppo.py                                       # built-in task: single-digit addition, tiny model, offline
     python ppo.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset prompts.jsonl --reward-fn my_rewards.py:score
 
-Custom loops (tool use, dense or process rewards) import `ppo_step` and call it with their own queries, responses,
-rewards and masks; `main()` below is one such loop."""
+Custom loops (tool use, dense or process rewards) import `ppo_step`; `main()` below is one such loop.
+Left out: an inference engine such as vLLM (generation is the model's own forward), asynchronous rollouts (each
+update waits for its batch), tensor and pipeline parallelism (FSDP2 at most), a value head on the policy's trunk (the
+value model is its own network), reward-model training."""
 
 from __future__ import annotations
 
@@ -60,6 +67,128 @@ from transformers.trainer_pt_utils import get_parameter_names
 
 
 @dataclass
+class Args:
+    """Train a language model with PPO on reward functions, a reward model, or both."""
+
+    exp_name: str = "ppo"
+    """name of this experiment (part of the run name)"""
+    seed: int = 1
+    """seed of python, torch and the prompt order (each process adds its rank)"""
+    output_dir: str | None = None
+    """run folder (config.json, metrics.jsonl, checkpoints/, model/); default runs/<run_name>"""
+    track: bool = False
+    """log to Weights & Biases (works offline with WANDB_MODE=offline)"""
+    wandb_project: str = "rlft"
+    """wandb project"""
+    wandb_entity: str | None = None
+    """wandb entity (team or user)"""
+    model: str = "builtin"
+    """policy: a Hugging Face id or a local folder; 'builtin' is a tiny Llama-shaped model built from config"""
+    value_model: str | None = None
+    """value model, loaded as a one-label token classifier (None: --reward-model, else the policy + a fresh head)"""
+    trust_remote_code: bool = False
+    """allow model code from the hub (off unless asked)"""
+    total_episodes: int = 64_000
+    """responses to train on in all (iterations = total_episodes // batch_size)"""
+    batch_size: int = 256
+    """responses per iteration, over all processes"""
+    learning_rate: float | None = None
+    """AdamW learning rate (None: 1e-3 for the built-in model, 3e-6 for any other; 0 trains nothing)"""
+    weight_decay: float = 0.0
+    """AdamW's decoupled weight decay of every weight but biases and normalisation weights (as transformers' Trainer)"""
+    anneal_lr: bool = True
+    """decay the learning rate linearly to 0"""
+    eval_every: int = 25
+    """evaluate with greedy decoding every this many iterations (and at the start and the end)"""
+    save_every: int = 0
+    """write a checkpoint every this many iterations (0: only the final model)"""
+    keep_checkpoints: int = 2
+    """keep the newest this many checkpoints (0: all)"""
+    resume: str | None = None
+    """continue from a checkpoint folder (.../checkpoints/iter_000100), or 'latest' in --output-dir"""
+    compile: bool = False
+    """torch.compile the models' forward passes and the decode loop's one-token step (CUDA graphs on a GPU)"""
+    fsdp: bool = False
+    """shard the policy, value, reference and reward models over the processes with FSDP2 (under torchrun)"""
+    task: Annotated[TaskArgs, tyro.conf.OmitArgPrefixes] = field(default_factory=lambda: TaskArgs())
+    gen: Annotated[GenArgs, tyro.conf.OmitArgPrefixes] = field(default_factory=lambda: GenArgs())
+    memory: Annotated[MemoryArgs, tyro.conf.OmitArgPrefixes] = field(default_factory=lambda: MemoryArgs())
+    ppo: Annotated[PPOHParams, tyro.conf.OmitArgPrefixes] = field(default_factory=lambda: PPOHParams())
+
+
+@dataclass
+class TaskArgs:
+    """Where prompts come from and how responses are scored (neither given: the built-in task's prompts and reward)."""
+
+    dataset: str | None = None
+    """prompt source: a hub dataset id, or a local json/jsonl/parquet/csv file or folder"""
+    dataset_split: str = "train"
+    """split of --dataset to train on"""
+    eval_split: str | None = None
+    """split of --dataset to evaluate on (None: the first rows of --dataset-split)"""
+    prompt_column: str = "prompt"
+    """column with the prompt: a string, or a list of chat messages (rendered with the tokenizer's chat template)"""
+    prompt_fn: str | None = None
+    """prompt source: module:function or path/file.py:function; fn(rng: random.Random) -> {'prompt': ..., **columns}"""
+    num_eval_prompts: int = 100
+    """size of the fixed evaluation set (the built-in task always uses all its 100 sums)"""
+    reward_fn: list[str] = field(default_factory=list)
+    """reward functions, module:function or file.py:function, called as by TRL: fn(prompts, completions, **columns)"""
+    reward_weights: list[float] | None = None
+    """one weight per --reward-fn (None: all 1.0)"""
+    reward_model: str | None = None
+    """a sequence classifier with one label, read at the last token of prompt+completion (its own tokenizer)"""
+    reward_model_weight: float = 1.0
+    """weight of the reward model's score in the total score"""
+    missing_eos_penalty: float | None = None
+    """subtracted from the score of responses that end neither with EOS nor with a stop string"""
+    success_threshold: float = 1.0
+    """an evaluation completion counts towards task/accuracy (and pass@k, maj@N) when its score reaches this"""
+    eval_num_samples: int = 0
+    """sampled completions per evaluation prompt besides the greedy one, for eval/pass@k and eval/maj@N (0: off)"""
+    answer_fn: str | None = None
+    """what maj@N votes on: fn(completion text) -> answer or None (module:function; built-in task: the text itself)"""
+    prm_model: str | None = None
+    """a process reward model (two-label token classifier, e.g. from stepwise_prm.py) that rewards each step"""
+    prm_weight: float = 1.0
+    """weight w of the process rewards: ppo.py shapes by w x min(p_1..p_k) (step_rewards), rloo.py adds w x aggregate"""
+    prm_separator: str = "\n"
+    """what ends a step in a response (as in the PRM's training data)"""
+
+
+@dataclass
+class GenArgs:
+    """Generation settings (temperature, top-k, top-p and min-p are the algorithm's: the update's logprobs use them)."""
+
+    max_new_tokens: int | None = None
+    """most tokens per response (None: 4 for the built-in task, 64 otherwise)"""
+    min_new_tokens: int = 0
+    """fewest tokens per response, EOS banned before (off-policy, as --repetition-penalty: the logprobs ignore it)"""
+    repetition_penalty: float = 1.0
+    """repetition penalty (1.0: off; off-policy, see --min-new-tokens)"""
+    stop_strings: list[str] = field(default_factory=list)
+    """end a response after the first of these strings (kept in the response)"""
+    compact_below: float = 0.5
+    """drop finished rows from the decode loop's batch once the share still running falls under this (0: never)"""
+
+
+@dataclass
+class MemoryArgs:
+    """Less memory: LoRA adapters (peft; only they and a classifier's head train; the reference: adapters off)."""
+
+    lora_r: int = 0
+    """rank of the adapters (0: off, every weight trains)"""
+    lora_alpha: int | None = None
+    """the adapters' scale numerator (None: 2 x --lora-r)"""
+    lora_dropout: float = 0.0
+    """dropout on the adapters' input; only 0 is taken: dropout would change the logprobs between passes"""
+    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """modules that get adapters, by name ('all-linear': every linear layer but the output layer and heads)"""
+    gradient_checkpointing: bool = False
+    """recompute each layer's activations in the training passes' backward (transformers'): less memory, more compute"""
+
+
+@dataclass
 class PPOHParams:
     """The hyperparameters of one PPO update (`ppo_step`)."""
 
@@ -108,56 +237,6 @@ class PPOHParams:
     """skip (and count) a mini-batch whose loss or gradient norm is NaN/inf, instead of stopping the run"""
     dtype: Literal["fp32", "bf16"] = "fp32"
     """forward passes in bf16 under autocast but the policy's output layer; weights and optimizer state stay fp32"""
-
-
-@dataclass
-class Args:
-    """Train a language model with PPO on reward functions, a reward model, or both."""
-
-    exp_name: str = "ppo"
-    """name of this experiment (part of the run name)"""
-    seed: int = 1
-    """seed of python, torch and the prompt order (each process adds its rank)"""
-    output_dir: str | None = None
-    """run folder (config.json, metrics.jsonl, checkpoints/, model/); default runs/<run_name>"""
-    track: bool = False
-    """log to Weights & Biases (works offline with WANDB_MODE=offline)"""
-    wandb_project: str = "rlft"
-    """wandb project"""
-    wandb_entity: str | None = None
-    """wandb entity (team or user)"""
-    model: str = "builtin"
-    """policy: a Hugging Face id or a local folder; 'builtin' is a tiny Llama-shaped model built from config"""
-    value_model: str | None = None
-    """value model, loaded as a one-label token classifier (None: --reward-model, else the policy + a fresh head)"""
-    trust_remote_code: bool = False
-    """allow model code from the hub (off unless asked)"""
-    total_episodes: int = 64_000
-    """responses to train on in all (iterations = total_episodes // batch_size)"""
-    batch_size: int = 256
-    """responses per iteration, over all processes"""
-    learning_rate: float | None = None
-    """AdamW learning rate (None: 1e-3 for the built-in model, 3e-6 for any other; 0 trains nothing)"""
-    weight_decay: float = 0.0
-    """AdamW's decoupled weight decay of every weight but biases and normalisation weights (as transformers' Trainer)"""
-    anneal_lr: bool = True
-    """decay the learning rate linearly to 0"""
-    eval_every: int = 25
-    """evaluate with greedy decoding every this many iterations (and at the start and the end)"""
-    save_every: int = 0
-    """write a checkpoint every this many iterations (0: only the final model)"""
-    keep_checkpoints: int = 2
-    """keep the newest this many checkpoints (0: all)"""
-    resume: str | None = None
-    """continue from a checkpoint folder (.../checkpoints/iter_000100), or 'latest' in --output-dir"""
-    compile: bool = False
-    """torch.compile the models' forward passes and the decode loop's one-token step (CUDA graphs on a GPU)"""
-    fsdp: bool = False
-    """shard the policy, value, reference and reward models over the processes with FSDP2 (under torchrun)"""
-    task: Annotated[TaskArgs, tyro.conf.OmitArgPrefixes] = field(default_factory=lambda: TaskArgs())
-    gen: Annotated[GenArgs, tyro.conf.OmitArgPrefixes] = field(default_factory=lambda: GenArgs())
-    memory: Annotated[MemoryArgs, tyro.conf.OmitArgPrefixes] = field(default_factory=lambda: MemoryArgs())
-    ppo: Annotated[PPOHParams, tyro.conf.OmitArgPrefixes] = field(default_factory=PPOHParams)
 
 
 RECIPES: dict[str, tuple] = {}  # named configurations (rloo.py has the GRPO family); none for PPO
@@ -556,78 +635,6 @@ def addition_reward(prompts, completions, completion_ids, answer, tokenizer, **k
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Loading and checking what the user gives: callables, models, prompts, rewards
-
-
-@dataclass
-class GenArgs:
-    """Generation settings (temperature, top-k, top-p and min-p are the algorithm's: the update's logprobs use them)."""
-
-    max_new_tokens: int | None = None
-    """most tokens per response (None: 4 for the built-in task, 64 otherwise)"""
-    min_new_tokens: int = 0
-    """fewest tokens per response, EOS banned before (off-policy, as --repetition-penalty: the logprobs ignore it)"""
-    repetition_penalty: float = 1.0
-    """repetition penalty (1.0: off; off-policy, see --min-new-tokens)"""
-    stop_strings: list[str] = field(default_factory=list)
-    """end a response after the first of these strings (kept in the response)"""
-    compact_below: float = 0.5
-    """drop finished rows from the decode loop's batch once the share still running falls under this (0: never)"""
-
-
-@dataclass
-class TaskArgs:
-    """Where prompts come from and how responses are scored (neither given: the built-in task's prompts and reward)."""
-
-    dataset: str | None = None
-    """prompt source: a hub dataset id, or a local json/jsonl/parquet/csv file or folder"""
-    dataset_split: str = "train"
-    """split of --dataset to train on"""
-    eval_split: str | None = None
-    """split of --dataset to evaluate on (None: the first rows of --dataset-split)"""
-    prompt_column: str = "prompt"
-    """column with the prompt: a string, or a list of chat messages (rendered with the tokenizer's chat template)"""
-    prompt_fn: str | None = None
-    """prompt source: module:function or path/file.py:function; fn(rng: random.Random) -> {'prompt': ..., **columns}"""
-    num_eval_prompts: int = 100
-    """size of the fixed evaluation set (the built-in task always uses all its 100 sums)"""
-    reward_fn: list[str] = field(default_factory=list)
-    """reward functions, module:function or file.py:function, called as by TRL: fn(prompts, completions, **columns)"""
-    reward_weights: list[float] | None = None
-    """one weight per --reward-fn (None: all 1.0)"""
-    reward_model: str | None = None
-    """a sequence classifier with one label, read at the last token of prompt+completion (its own tokenizer)"""
-    reward_model_weight: float = 1.0
-    """weight of the reward model's score in the total score"""
-    missing_eos_penalty: float | None = None
-    """subtracted from the score of responses that end neither with EOS nor with a stop string"""
-    success_threshold: float = 1.0
-    """an evaluation completion counts towards task/accuracy (and pass@k, maj@N) when its score reaches this"""
-    eval_num_samples: int = 0
-    """sampled completions per evaluation prompt besides the greedy one, for eval/pass@k and eval/maj@N (0: off)"""
-    answer_fn: str | None = None
-    """what maj@N votes on: fn(completion text) -> answer or None (module:function; built-in task: the text itself)"""
-    prm_model: str | None = None
-    """a process reward model (two-label token classifier, e.g. from stepwise_prm.py) that rewards each step"""
-    prm_weight: float = 1.0
-    """weight w of the process rewards: ppo.py shapes by w x min(p_1..p_k) (step_rewards), rloo.py adds w x aggregate"""
-    prm_separator: str = "\n"
-    """what ends a step in a response (as in the PRM's training data)"""
-
-
-@dataclass
-class MemoryArgs:
-    """Less memory: LoRA adapters (peft; only they and a classifier's head train; the reference: adapters off)."""
-
-    lora_r: int = 0
-    """rank of the adapters (0: off, every weight trains)"""
-    lora_alpha: int | None = None
-    """the adapters' scale numerator (None: 2 x --lora-r)"""
-    lora_dropout: float = 0.0
-    """dropout on the adapters' input; only 0 is taken: dropout would change the logprobs between passes"""
-    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
-    """modules that get adapters, by name ('all-linear': every linear layer but the output layer and heads)"""
-    gradient_checkpointing: bool = False
-    """recompute each layer's activations in the training passes' backward (transformers'): less memory, more compute"""
 
 
 def fail(flag: str, value: Any, fix: str) -> NoReturn:

@@ -1,24 +1,22 @@
+# /// script
+# requires-python = ">=3.11"
+# dependencies = ["torch==2.13.0", "transformers==5.24.0", "tokenizers==0.23.3", "safetensors==0.8.0",
+#                 "datasets==5.2.0", "tyro==1.0.17", "wandb==0.31.0", "tqdm==4.70.1", "peft==0.21.2"]
+# ///
 """Process-supervised (stepwise) reward models, in one file: train one, evaluate it, use it.
 
-A process reward model (PRM) scores every reasoning step of a solution, not only its final answer (Lightman et al.
-2023, "Let's Verify Step by Step", arXiv 2305.20050; Wang et al. 2024, "Math-Shepherd", arXiv 2312.08935). Training
-is token classification with 2 labels, as in TRL's PRMTrainer (trl/experimental/prm/prm_trainer.py, up to TRL 1.13):
-the separator is appended to every step and the step's label sits on the step's last token; every other token, the
-prompt included, is ignored (-100). Label 1 means the step is correct, 0 that it is wrong, so a step's score is
-softmax(logits)[..., 1] at its last token, and a solution's score is the minimum over its steps.
+A process reward model (PRM) scores every reasoning step of a solution (Lightman et al. 2023, arXiv 2305.20050;
+Math-Shepherd, Wang et al. 2024, arXiv 2312.08935): token classification with 2 labels as in TRL's PRMTrainer (up to
+TRL 1.13), each step's label on its last token (the separator), every other token ignored; a step's score is
+softmax(logits)[..., 1] there, a solution's the minimum over its steps. docs/stepwise_prm.md explains each step.
 
     python stepwise_prm.py        # built-in task: multi-step running sums, tiny model, offline, about 2 minutes
     python stepwise_prm.py --model Qwen/Qwen2.5-0.5B --dataset trl-lib/math_shepherd --max-length 1024
 
-A PRM must start from a language model that already knows the domain: only the last token of each step carries a
-label, and from random weights that thin signal teaches nothing. Real PRMs start from a pretrained LM; the built-in
-tiny model first gets a short causal-LM warm start on the training solutions whose steps are all correct
-(--warmup-steps), and its weights then go into the token classifier under a fresh 2-label head.
-
-Custom loops import `prm_step` (one update on tokenized rows) and `score_steps` (the probability that each step is
-correct: for best-of-N reranking or per-step rewards in RL); `main()` below is one such loop. docs/stepwise_prm.md
-explains every numbered step and every logged metric.
-"""
+A PRM must start from a model that knows the domain (one label a step teaches random weights nothing): the built-in
+tiny model first gets a short causal-LM warm start on the all-correct solutions (--warmup-steps). Custom loops import
+`prm_step` and `score_steps` (best-of-N reranking, per-step rewards in RL); `main()` below is one such loop.
+Left out: labelling steps by rollouts (Math-Shepherd's automatic labels), generative or value-based verifiers."""
 
 from __future__ import annotations
 
@@ -127,6 +125,22 @@ class Args:
     resume: str | None = None
     """continue from a checkpoint folder (.../checkpoints/iter_000100), or 'latest' in --output-dir"""
     memory: Annotated[MemoryArgs, tyro.conf.OmitArgPrefixes] = field(default_factory=lambda: MemoryArgs())
+
+
+@dataclass
+class MemoryArgs:
+    """Less memory: LoRA adapters (peft; only they and a classifier's head train; the reference: adapters off)."""
+
+    lora_r: int = 0
+    """rank of the adapters (0: off, every weight trains)"""
+    lora_alpha: int | None = None
+    """the adapters' scale numerator (None: 2 x --lora-r)"""
+    lora_dropout: float = 0.0
+    """dropout on the adapters' input; only 0 is taken: dropout would change the logprobs between passes"""
+    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """modules that get adapters, by name ('all-linear': every linear layer but the output layer and heads)"""
+    gradient_checkpointing: bool = False
+    """recompute each layer's activations in the training passes' backward (transformers'): less memory, more compute"""
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -473,22 +487,6 @@ def builtin_rows(rng: random.Random, n: int, held_out: bool) -> list[dict]:
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Loading and checking the model and the data, batches of rows of similar length, the built-in model's warm start
-
-
-@dataclass
-class MemoryArgs:
-    """Less memory: LoRA adapters (peft; only they and a classifier's head train; the reference: adapters off)."""
-
-    lora_r: int = 0
-    """rank of the adapters (0: off, every weight trains)"""
-    lora_alpha: int | None = None
-    """the adapters' scale numerator (None: 2 x --lora-r)"""
-    lora_dropout: float = 0.0
-    """dropout on the adapters' input; only 0 is taken: dropout would change the logprobs between passes"""
-    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
-    """modules that get adapters, by name ('all-linear': every linear layer but the output layer and heads)"""
-    gradient_checkpointing: bool = False
-    """recompute each layer's activations in the training passes' backward (transformers'): less memory, more compute"""
 
 
 def fail(flag: str, value: Any, fix: str) -> NoReturn:

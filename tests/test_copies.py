@@ -1,7 +1,10 @@
 """The scripts stand alone, so some helpers are deliberate copies of ppo.py's. These tests keep the copies identical:
-change one, change them all."""
+change one, change them all; and each script's header names what it needs to run from the file alone."""
 
 import ast
+import re
+import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -9,8 +12,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 MARKER = "# Machinery below:"
-# above the marker, what both RL scripts share: the math both updates use
-SHARED_ABOVE_MARKER = ["response_valid_mask", "masked_mean", "kl_penalty", "token_logprobs", "sampler_metrics"]
+# above the marker, what both RL scripts share: the flags' groups and the math both updates use
+SHARED_ABOVE_MARKER = ["TaskArgs", "GenArgs", "MemoryArgs", "response_valid_mask", "masked_mean", "kl_penalty",
+                       "token_logprobs", "sampler_metrics"]  # the flags' groups, then the math helpers
 # stepwise_prm.py's machinery: the subset of ppo.py's block it needs, copied definition by definition. Every other
 # name the two files share is deliberately the script's own: Args (its flags), main (its loop) and evaluate (the
 # PRM's held-out step metrics, not a policy's greedy decoding) and log_row (no completions to write).
@@ -59,7 +63,7 @@ def test_machinery_blocks_of_ppo_and_rloo_are_identical():
 
 
 # (the marker's line, the whole file's lines) at most, as `wc -l` counts them
-BUDGETS = {"ppo.py": (530, 1690), "rloo.py": (610, 1770), "stepwise_prm.py": (400, 905), "interleave.py": (None, 565)}
+BUDGETS = {"ppo.py": (625, 1700), "rloo.py": (705, 1780), "stepwise_prm.py": (425, 915), "interleave.py": (None, 570)}
 
 
 @pytest.mark.parametrize("script", BUDGETS)
@@ -136,3 +140,33 @@ def test_every_definition_stepwise_prm_shares_with_ppo_is_guarded():
 
     shared = names((ROOT / "ppo.py").read_text()) & names((ROOT / "stepwise_prm.py").read_text())
     assert shared - {"Args", "main", "evaluate", "log_row"} == set(SHARED_WITH_PRM)
+
+
+def imported_packages(path: Path) -> set[str]:
+    """Top-level names of the packages a file imports, anywhere in it (wandb is imported inside a function)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("script", ["ppo.py", "rloo.py", "stepwise_prm.py", "interleave.py"])
+def test_each_script_header_names_the_pinned_packages_it_imports(script):
+    """`uv run script.py` from the file: its PEP 723 header lists, at requirements.txt's pins, every package the file
+    imports (interleave.py: and those of the scripts it imports, which must sit beside it), and nothing else."""
+    text = (ROOT / script).read_text()
+    block = re.search(r"^# /// script\n((?:#.*\n)*?)# ///$", text, re.M)
+    assert block, f"{script} has no PEP 723 header"
+    header = tomllib.loads("".join(line[2:] for line in block.group(1).splitlines(keepends=True)))
+    pins = dict(line.split("==") for line in (ROOT / "requirements.txt").read_text().splitlines()
+                if line and not line.startswith("#"))
+    siblings = {path.stem for path in ROOT.glob("*.py")}
+    packages = imported_packages(ROOT / script)
+    for sibling in packages & siblings:
+        packages |= imported_packages(ROOT / f"{sibling}.py")
+    third_party = packages - set(sys.stdlib_module_names) - siblings - {"__future__"}
+    assert sorted(header["dependencies"]) == sorted(f"{name}=={pins[name]}" for name in third_party)
+    assert header["requires-python"] == ">=3.11"
