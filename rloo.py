@@ -34,6 +34,7 @@ import runpy
 import shutil
 import sys
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -991,27 +992,29 @@ def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.cumsum(1) - 1).clamp(min=0)
 
 
-CHECKED: dict[tuple, bool] = {}  # (model class and config, "head" or "packs"): the checks made once per model
+CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {"head" or "packs": passed everywhere}
 
 
 def packed_inputs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int) -> tuple:
     """The forward's inputs for rows of a left-padded prompt and a right-padded response of T tokens (input_ids and
     attention_mask [B, S]), and index [B, T], the flat output position scoring each response token. Padded rows' real
-    tokens are packed, longest first, into rows as wide as the longest, position ids from 0 for each and no mask, which
-    transformers keeps apart (checked once per model); else, and with no padding, the rows go as they are."""
+    tokens are packed, longest first, into rows as wide as the longest, position ids from 0 for each, no mask and no
+    cache (with either, transformers would attend across them; checked once per model object, with one answer on all
+    processes, so that all make the same forwards); else the rows as they are."""
     (B, S), n = input_ids.shape, attention_mask.sum(1)  # n [B]: each row's real tokens
-    key, device = type(model).__name__ + model.config.to_json_string(), input_ids.device
-    if (key, "packs") not in CHECKED:  # a sequence twice in a row, position ids restarting: do both copies end alike?
+    checked, device = CHECKED.setdefault(model, {}), input_ids.device
+    if "packs" not in checked:  # a sequence twice in a row, position ids restarting: do both copies end alike?
         seq = input_ids[0, attention_mask[0].bool()][None, :16]
         with torch.no_grad(), torch.autocast(device.type, enabled=False):
             one, two = (model(input_ids=x, position_ids=torch.arange(seq.shape[1], device=device).repeat(1, r),
                               use_cache=False).logits[:, -1] for x, r in ((seq, 1), (seq.repeat(1, 2), 2)))
-        CHECKED[key, "packs"] = torch.allclose(one, two, rtol=1e-4, atol=1e-4)
+        fails = torch.tensor(float(not torch.allclose(one, two, rtol=1e-4, atol=1e-4)), device=device)
+        checked["packs"] = bool(global_sum(fails) == 0)
     prompt = (n - attention_mask[:, S - T:].sum(1))[:, None]  # [B, 1]: real prompt tokens
-    if not CHECKED[key, "packs"] or int(n.min()) == S:
+    if not checked["packs"] or int(n.min()) == S:
         index = torch.arange(B, device=device)[:, None] * S + S - T - 1 + torch.arange(T, device=device)  # [B, T]
-        return dict(input_ids=input_ids, attention_mask=attention_mask,
-                    position_ids=position_ids_from(attention_mask)), index
+        return dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask),
+                    use_cache=False), index
     lengths, W, widths, base = n.tolist(), int(n.max()), [], [0] * B  # packed rows' widths; sequences' first places
     for b in sorted(range(B), key=lambda b: -lengths[b]):  # first fit, longest first
         r = next((r for r, w in enumerate(widths) if w + lengths[b] <= W), len(widths))
@@ -1023,7 +1026,7 @@ def packed_inputs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
     ids = torch.zeros(len(widths) * W, dtype=torch.long, device=device)
     ids, positions = ids.index_put((flat,), input_ids[attention_mask.bool()]), ids.index_put((flat,), within)
     index = base[:, None] + (prompt - 1 + torch.arange(T, device=device)).clamp(max=n[:, None] - 1)  # [B, T]
-    return dict(input_ids=ids.view(-1, W), position_ids=positions.view(-1, W)), index
+    return dict(input_ids=ids.view(-1, W), position_ids=positions.view(-1, W), use_cache=False), index
 
 
 def response_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int, chunk: int) -> tuple:
@@ -1038,17 +1041,18 @@ def forward_to_head(model, keep: int, chunk: int, **inputs) -> tuple:
     decoder's output [B, keep, H] (a hook: no other layer's kept; the whole model runs, so FSDP gathers) and the
     output layer; with chunk 0, or logits that are not that (a soft-cap; checked once, said once), the logits."""
     head, inputs = model.get_output_embeddings(), {"use_cache": "cache" in inputs, **inputs}  # a cache if asked for
-    key = type(model).__name__ + model.config.to_json_string()
-    if chunk > 0 and head is not None and CHECKED.get((key, "head"), True):
+    checked = CHECKED.setdefault(model, {})
+    if chunk > 0 and head is not None and checked.get("head", True):
         hidden = []  # the decoder's output, from a hook removed when the forward ends
         with model.get_decoder().register_forward_hook(lambda module, args, output: hidden.append(output[0])):
             out = model(**inputs, logits_to_keep=1)
         h = hidden[0][:, -keep:]  # [B, keep, H]
-        if (key, "head") not in CHECKED:
+        if "head" not in checked:
             with torch.no_grad():
-                CHECKED[key, "head"] = getattr(model.config, "final_logit_softcapping", None) is None and \
+                ok = getattr(model.config, "final_logit_softcapping", None) is None and \
                     torch.allclose(head(h[:, -1:]), out.logits.float(), rtol=1e-4, atol=1e-5)
-        if CHECKED[key, "head"]:
+                checked["head"] = bool(global_sum(torch.tensor(float(not ok), device=h.device)) == 0)  # everywhere
+        if checked["head"]:
             return out, h, head
         print_once(f"{type(model).__name__}'s logits are not its output layer on its last hidden state: the logprob "
                    "passes make the whole [B, T, V] logits (--logits-chunk does not apply)")

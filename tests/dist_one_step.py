@@ -32,12 +32,15 @@ def main(algo: str, out: str, fsdp: bool, lora: bool) -> None:
             for name, p in policy.named_parameters():  # the policy with them off, is a model of its own
                 if "lora_B" in name:
                     p.normal_(std=0.2)
-    # the global batch: 4 prompts x 4 responses of different lengths, identical in every process
+    # the global batch: 4 prompts x 4 responses of different lengths, identical in every process, padded enough that
+    # both steps pack their rows (rloo.py: rather than share each prompt's prefix)
     gen = torch.Generator().manual_seed(1)
     queries = ppo.left_pad([tokenizer(f"{i}+{i * 3}=").input_ids for i in range(4)], tokenizer.pad_token_id)
     queries = queries.repeat_interleave(4, 0)
-    responses = torch.randint(4, len(tokenizer), (16, 6), generator=gen)
-    for row, n in enumerate(torch.randint(1, 6, (16,), generator=gen).tolist()):
+    responses = torch.randint(4, len(tokenizer), (16, 12), generator=gen)
+    lengths = torch.randint(1, 6, (16,), generator=gen)
+    lengths[0] = 11
+    for row, n in enumerate(lengths.tolist()):
         responses[row, n] = tokenizer.eos_token_id
         responses[row, n + 1:] = tokenizer.pad_token_id
     rewards = torch.rand(16, generator=gen)
@@ -56,6 +59,8 @@ def main(algo: str, out: str, fsdp: bool, lora: bool) -> None:
                                  hp=rloo.RLOOHParams(kl_coef=0.1), **common)
     weights = {f"{i}.{k}": v for i, m in enumerate(models) for k, v in ppo.full_state_dict(m).items()}
     weights["kl"] = ppo.average_metrics({"kl": metrics["objective/kl"]}, device)["kl"]  # the KL to the reference
+    checked = (ppo if algo == "ppo" else rloo).CHECKED  # the per-model checks: "packs" made where rows were packed
+    weights["packed"] = any(checks.get("packs", False) for checks in checked.values())
     if rank == 0:
         torch.save(weights, out)
     if torch.distributed.is_initialized():

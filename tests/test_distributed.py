@@ -81,6 +81,7 @@ def test_one_step_equal_with_one_and_two_processes(algo, tmp_path):
     torch.manual_seed(0)
     initial = ppo.build_tiny_model(ppo.build_tokenizer()).state_dict()
     assert any(not torch.equal(out[(1, "")][f"0.{k}"], v) for k, v in initial.items())  # the step did move
+    assert all(result["packed"] for result in out.values())  # on packed rows, FSDP2 and LoRA included
     for key in [(2, ""), (2, "--fsdp")]:
         for name, value in out[(1, "")].items():
             torch.testing.assert_close(torch.as_tensor(out[key][name]), torch.as_tensor(value), atol=1e-6, rtol=0)

@@ -22,26 +22,29 @@ import rloo
 
 
 @contextlib.contextmanager
-def padded(*models):
-    """The models' forwards as before packing: their "packs" check set to False for the while."""
-    keys = dict.fromkeys((type(m).__name__ + m.config.to_json_string(), "packs") for m in models if m is not None)
-    saved = {key: ppo.CHECKED.pop(key, None) for key in keys}
-    ppo.CHECKED.update({key: False for key in keys})
+def padded(script, *models):
+    """The models' forwards in `script` (the module ppo or rloo) as before packing: their "packs" check set to False
+    for the while."""
+    checks = [script.CHECKED.setdefault(m, {}) for m in dict.fromkeys(models) if m is not None]
+    saved = [checked.get("packs") for checked in checks]
+    for checked in checks:
+        checked["packs"] = False
     try:
         yield
     finally:
-        for key, value in saved.items():
-            ppo.CHECKED.pop(key)
+        for checked, value in zip(checks, saved):
+            checked.pop("packs")
             if value is not None:
-                ppo.CHECKED[key] = value
+                checked["packs"] = value
 
 
 def uneven_batch(vocab: int, k: int = 1, prompts: int = 6, width: int = 6, seed: int = 0) -> tuple:
     """Left-padded queries [P * k, width] and right-padded responses [P * k, 8] of different lengths (one the
-    longest): padded enough that packing computes fewer positions (rloo.py: than the shared prefix too)."""
+    longest, two of one token): padded enough that packing computes fewer positions (rloo.py: than the shared prefix
+    too), and rows share a packed row."""
     generator = torch.Generator().manual_seed(seed)
     lengths = torch.randint(1, 8, (prompts * k,), generator=generator)
-    lengths[0] = 8
+    lengths[0], lengths[1:3] = 8, 1
     queries = torch.randint(5, vocab, (prompts, width), generator=generator)
     queries[: prompts // 2, :1] = 0  # pad 0
     responses = torch.randint(5, vocab, (prompts * k, 8), generator=generator)
@@ -68,16 +71,21 @@ def test_packed_logprobs_equal_the_padded_forward(arch):
     queries, responses = uneven_batch(20)
     ids = torch.cat([queries, responses], 1)
     mask = torch.cat([(queries != 0).cumsum(1) > 0, responses != 0], 1).long()
+    value = ppo.token_classifier_from(model, 1, "--model", "test").eval()  # its config asks for a cache by default
     with torch.no_grad():
         packed = ppo.response_logprobs(model, ids, mask, responses, 0.7, (0, 1.0, 0.0), True, chunk=2 ** 20)
+        packed += (ppo.response_values(value, ids, mask, responses.shape[1]),)
         inputs, _ = ppo.packed_inputs(model, ids, mask, responses.shape[1])
         assert "attention_mask" not in inputs and inputs["input_ids"].numel() < ids.numel()  # it did pack
-        with padded(model):
+        starts = (inputs["position_ids"] == 0) & (inputs["input_ids"] != 0)  # sequences' first tokens
+        assert (starts.sum(1) >= 2).any()  # some row holds two sequences: they must not see each other
+        with padded(ppo, model, value):
             plain = ppo.response_logprobs(model, ids, mask, responses, 0.7, (0, 1.0, 0.0), True, chunk=2 ** 20)
+            plain += (ppo.response_values(value, ids, mask, responses.shape[1]),)
     valid = responses != 0
     for a, b in zip(packed, plain):
         assert (a - b)[valid].abs().max() < 1e-5
-        assert (a[~valid] == 0).all()  # nothing computed where nothing is scored
+    assert all((a[~valid] == 0).all() for a in packed[:-1])  # no logprob computed where nothing is scored
 
 
 def run_step(script: str, settings: dict, lora: bool, checkpointing: bool, pad: bool) -> tuple:
@@ -106,9 +114,10 @@ def run_step(script: str, settings: dict, lora: bool, checkpointing: bool, pad: 
         optimizer = ppo.adamw([policy], 1e-2, 0.0)
         step = lambda: rloo.rloo_step(policy, ref, optimizer, queries, responses, rewards, pad_token_id=0,
                                       eos_token_id=2, hp=rloo.RLOOHParams(**settings))
-    with padded(*models) if pad else contextlib.nullcontext():
+    module = ppo if script == "ppo" else rloo
+    with padded(module, *models) if pad else contextlib.nullcontext():
         metrics = step()
-        assert ppo.CHECKED[type(policy).__name__ + policy.config.to_json_string(), "packs"] is not pad  # packed or not
+        assert module.CHECKED[policy]["packs"] is not pad  # packed or not
     return metrics, [p.detach().clone() for m in models if m is not None for p in m.parameters() if p.requires_grad]
 
 
