@@ -5,7 +5,7 @@ Qwen2.5-0.5B-shaped model built from config (random weights), in bf16. It prints
     python benchmarks/gpu_check.py --tiny    # a tiny size; what runs on a machine without CUDA, and in the tests
 
 On a GPU machine that lacks tyro and datasets, carry the wheels that benchmarks/gpu_wheels.py downloads and run
-(README, "On a GPU"):
+(docs/benchmarks.md, "On a GPU"):
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site benchmarks/.wheels/*.whl &&
         PYTHONPATH=/tmp/site python3 benchmarks/gpu_check.py
@@ -50,12 +50,14 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 THIS = Path(__file__).resolve()
-# runs a script as `python script args...` would, and prints the process's peak memory at exit: the CUDA caching
-# allocator's peak (max_memory_allocated) on a GPU, the peak resident set (VmHWM) on CPU
+# runs a script as `python script args...` (or `python -c code args...`) would, and prints the process's peak
+# memory at exit: the CUDA caching allocator's peak (max_memory_allocated) on a GPU, the peak resident set
+# (VmHWM) on CPU
 PEAK = ("import atexit, runpy, sys, torch; atexit.register(lambda: print('PEAK_MIB', torch.cuda.max_memory_allocated()"
         " / 2**20 if torch.cuda.is_available() else next(int(l.split()[1]) for l in open('/proc/self/status') if "
         "l.startswith('VmHWM:')) / 1024, flush=True)); sys.argv = sys.argv[1:]; "
-        "runpy.run_path(sys.argv[0], run_name='__main__')")
+        "code = sys.argv.pop(1) if sys.argv[0] == '-c' else None; "
+        "exec(code, {'__name__': '__main__'}) if code else runpy.run_path(sys.argv[0], run_name='__main__')")
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """Download the wheels that a GPU machine lacks for ppo.py and rloo.py into benchmarks/.wheels (ignored by git), so
-that benchmarks/gpu_check.py runs there with no network (README, "On a GPU").
+that benchmarks/gpu_check.py runs there with no network (docs/benchmarks.md, "On a GPU").
 
     python benchmarks/gpu_wheels.py          # here, in the project's venv, with PyPI reachable
 
@@ -23,7 +23,8 @@ from pathlib import Path
 from packaging.requirements import Requirement
 
 WHEELS = Path(__file__).resolve().parent / ".wheels"
-ROOTS = ["tyro", "datasets", "torch", "transformers", "tokenizers", "tqdm"]  # what ppo.py and rloo.py import
+# what ppo.py and rloo.py import
+ROOTS = ["tyro", "datasets", "torch", "transformers", "tokenizers", "tqdm", "peft", "safetensors"]
 # the GPU machine's Python packages, as read on 2026-11-17: Python 3.12.3 with torch 2.11.0 (CUDA), transformers 5.17.0
 # (older than the pin: replaced), tokenizers 0.23.2, huggingface_hub 1.33.0, peft, numpy, pandas, pyarrow; no tyro, no
 # datasets

@@ -471,7 +471,8 @@ def split_row(name: str, path: Path, peak_mb: float, returncode: int = 0) -> str
     update_padded = 1 - total("real_positions") / max(total("computed_positions"), 1)
     responses = total("responses")
     rest = iteration - sum(parts)
-    return (f"| {name} | {iteration:.1f} | " + " | ".join(f"{x:.1f}" for x in parts) + f" | {rest:.1f} "
+    sec = lambda x: f"{x:.1f}" if abs(x) >= 1 else f"{x:.2g}"  # a tiny model's parts keep two significant digits
+    return (f"| {name} | {sec(iteration)} | " + " | ".join(sec(x) for x in parts) + f" | {sec(rest)} "
             f"| {decode_padded:.2f} / {update_padded:.2f} | {total('generated_tokens') / max(responses, 1):.0f} | "
             f"{1000 * total('iteration_s') / max(total('generated_tokens'), 1):.1f} | {peak_mb:,.0f} |")
 
