@@ -447,11 +447,13 @@ def rl_phase_step(args: Args, phase: str, models: dict, ref_policy, optimizer, t
               "sampler_logprobs": out["sampler_logprobs"]}
     if phase == "ppo":  # a PRM's step scores go in per token, as in ppo.py, or per response, as in rloo.py
         rewards = ppo.token_rewards(out["scores"], out["masks"], out["process"], cfg.task.prm_weight)
-        return ppo_step(policy, models["value"], ref_policy, optimizer, out["queries"], out["responses"], rewards,
-                        out["masks"], **common)
-    rewards = sequence_rewards(out["scores"], out["process"], cfg.hp.prm_aggregate, cfg.task.prm_weight)
-    return rloo_step(policy, ref_policy, optimizer, out["queries"], out["responses"], rewards, out["masks"],
-                     ended=out["ended"], **common)
+        metrics = ppo_step(policy, models["value"], ref_policy, optimizer, out["queries"], out["responses"], rewards,
+                           out["masks"], **common)
+    else:
+        rewards = sequence_rewards(out["scores"], out["process"], cfg.hp.prm_aggregate, cfg.task.prm_weight)
+        metrics = rloo_step(policy, ref_policy, optimizer, out["queries"], out["responses"], rewards, out["masks"],
+                            ended=out["ended"], **common)
+    return {**metrics, "sampling/decode_live_frac": out["decode_live_frac"]}
 
 
 def prm_phase_step(args: Args, prm, optimizer, tokenizer, examples: list[dict], step: int, rank: int,

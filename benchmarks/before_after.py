@@ -5,7 +5,7 @@ as two processes at once that take turns: one runs an iteration while the other 
 the other runs one, and so on. So each pair of iterations is seconds apart and the machine's drift, which moves a
 whole run by 10-20% on this project's shared CPU, hits both sides alike. Each side's figure is the median of its
 iterations' seconds after warm-up (waits not counted); "paired" is the median of the after / before ratios of the
-iterations taken in turn. Used for issue 14's "no slower than before" (before: c120fc9). With --bf16-gain, four
+iterations taken in turn. Used for "no slower than before" checks. With --bf16-gain, four
 processes take turns (each commit in fp32 and in bf16), and the figure compared is the bf16 gain, fp32 / bf16 s/iter:
 "paired" is then the median of after's gain / before's gain at each turn.
 
@@ -17,8 +17,9 @@ processes take turns (each commit in fp32 and in bf16), and the figure compared 
 
 --real-lengths times one process's generation and update on the same batch at real lengths instead: SmolLM2's 32
 replies of up to 128 tokens to "Think step by step" sums (real_model.py --real-lengths' task), sampled by each
-commit's decode_loop from the same seed, then one rloo_step with the grpo settings on the same batch (before's
-samples) from the same weights, both commits' functions in turn.
+commit's decode_loop from the same seed, then one update on the same batch (before's samples) from the same weights,
+both commits' functions in turn: rloo_step with the grpo settings (default), or with --only ppo, ppo_step with one
+epoch of one mini-batch.
 """
 
 import argparse
@@ -44,8 +45,9 @@ def times_in_turn(algo: str, sides: list[tuple[str, str, Path]], iterations: int
     return [t[vs_trl.WARMUP:-1] for t in vs_trl.in_turn(commands, Path(tmp))]  # the last iteration evaluates
 
 
-def same_batch(before: Path, model: Path, turns: int = 3) -> None:
-    """--real-lengths: seconds of the decode loop and of rloo_step (grpo) on one batch, each commit's in turn."""
+def same_batch(before: Path, model: Path, algo: str, turns: int = 3) -> None:
+    """--real-lengths: seconds of the decode loop and of one update (rloo_step with the grpo settings, or ppo_step
+    with one epoch of one mini-batch) on one batch, each commit's in turn."""
     import copy
     import importlib.util
     import time
@@ -55,18 +57,19 @@ def same_batch(before: Path, model: Path, turns: int = 3) -> None:
     torch.set_num_threads(2)
     modules = []
     for name, root in (("before", before), ("after", ROOT)):
-        spec = importlib.util.spec_from_file_location(f"rloo_{name}", root / "rloo.py")
+        spec = importlib.util.spec_from_file_location(f"{algo}_{name}", root / f"{algo}.py")
         modules.append(importlib.util.module_from_spec(spec))
         sys.modules[spec.name] = modules[-1]  # dataclasses look their module up
         spec.loader.exec_module(modules[-1])
     tokenizer, policy = modules[1].load_policy(str(model), False)
-    policy = modules[1].disable_dropout(policy)
+    policy = modules[1].disable_dropout(policy).eval().requires_grad_(False)  # the reference, and every update's start
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": f"What is {a}+{b}? Think step by step, then "
                                              "give the final answer."}], tokenize=False, add_generation_prompt=True)
              for a, b in [(17, 25), (31, 48), (22, 39), (45, 16), (28, 33), (11, 47), (36, 24), (40, 19)]]
     batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     queries, mask = batch.input_ids.repeat_interleave(4, 0), batch.attention_mask.repeat_interleave(4, 0)
-    hp = modules[1].RECIPES["grpo"][1]().rloo
+    rewards = torch.randn(32, generator=torch.Generator().manual_seed(0))
+    common = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     times = {(side, part): [] for side in ("before", "after") for part in ("generation", "update")}
     responses = None
     for _ in range(turns):
@@ -78,15 +81,22 @@ def same_batch(before: Path, model: Path, turns: int = 3) -> None:
             times[side, "generation"].append(time.perf_counter() - start)
             responses = ids if responses is None else responses  # the update's batch: the first one sampled
             trained = copy.deepcopy(policy).train().requires_grad_(True)
-            optimizer = module.adamw([trained], 2e-5, 0.0)
+            value = None
+            if algo == "ppo":  # the value model: the policy under a fresh head, seeded
+                torch.manual_seed(0)
+                value = module.token_classifier_from(policy, 1, "--model", "").train()
+            optimizer = module.adamw([trained] + ([value] if value is not None else []), 2e-5, 0.0)
             start = time.perf_counter()
-            module.rloo_step(trained, policy.eval().requires_grad_(False), optimizer, queries, responses,
-                             torch.randn(32, generator=torch.Generator().manual_seed(0)), hp=hp,
-                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+            if algo == "ppo":
+                module.ppo_step(trained, value, policy, optimizer, queries, responses, rewards,
+                                hp=module.PPOHParams(num_ppo_epochs=1, num_mini_batches=1), **common)
+            else:
+                module.rloo_step(trained, policy, optimizer, queries, responses, rewards,
+                                 hp=module.RECIPES["grpo"][1]().rloo, **common)
             times[side, "update"].append(time.perf_counter() - start)
-            del trained, optimizer
+            del trained, value, optimizer
     valid = modules[1].response_valid_mask(responses, tokenizer.pad_token_id, tokenizer.eos_token_id)
-    print(f"32 replies, mean {valid.sum(1).float().mean():.0f} of up to {responses.shape[1]} tokens; seconds, "
+    print(f"{algo}: 32 replies, mean {valid.sum(1).float().mean():.0f} of up to {responses.shape[1]} tokens; seconds, "
           f"medians of {turns} turns\n| part | before | after | after / before |\n| --- | --- | --- | --- |")
     for part in ("generation", "update"):
         b, a = (statistics.median(times[side, part]) for side in ("before", "after"))
@@ -105,6 +115,8 @@ def main() -> None:
     parser.add_argument("--real-lengths", type=Path, metavar="MODEL_FOLDER",
                         help="generation and one rloo_step on the same batch at real lengths (a SmolLM2 folder)")
     args = parser.parse_args()
+    if args.real_lengths and "prm" in (args.only or []):
+        parser.error("--real-lengths --only prm: the real-length timing is of ppo.py's and rloo.py's updates")
     art = None if args.real_lengths else artifacts.build()
     with tempfile.TemporaryDirectory() as tmp:
         before = Path(tmp) / "before"
@@ -112,7 +124,9 @@ def main() -> None:
                        capture_output=True)
         try:
             if args.real_lengths:
-                return same_batch(before, args.real_lengths.resolve())
+                for algo in args.only or ["rloo"]:
+                    same_batch(before, args.real_lengths.resolve(), algo)
+                return
             if args.bf16_gain:
                 print(f"| bf16 gain (fp32 / bf16 s/iter) | before ({args.before}) | after (this checkout) "
                       "| after / before | paired after / before (quartiles) |")
