@@ -1,6 +1,6 @@
 """Side by side with TRL 1.12.0 on identical work, the bare compute underneath, and learning at equal episodes.
 
-Settings (issue 7): a Llama-shaped policy (4 layers, hidden 256, 4 heads, intermediate 1024) with a 4,096-token BPE
+Settings: a Llama-shaped policy (4 layers, hidden 256, 4 heads, intermediate 1024) with a 4,096-token BPE
 tokenizer trained offline; reward and value models of the same shape; 32 responses per iteration of exactly 32 new
 tokens, temperature 1.0; PPO 4 epochs, 1 mini-batch, forward chunks of 32; RLOO 8 prompts x 4 samples, 1 epoch;
 PRM batches of 16 rows of 3-4 arithmetic steps, max length 256. TRL is installed by this script into its own

@@ -5,8 +5,8 @@ Each page's commands run in order in one fresh folder (so a later command can us
 the files the page shows with a title (```python title="my_rewards.py"```) are written there. Tiny settings are
 appended to each command (they override the documented ones), hub ids are replaced by local stand-ins built from
 config (nothing can be downloaded here), torchrun runs 2 processes on one machine, and the benchmarks that need TRL's
-own virtual environment, take an hour, check out another commit or need a real model (vs_trl.py, prm_rewards.py,
-before_after.py, real_model.py, grpo_family.py, filtered_kl.py; tests/test_real_model.py runs real_model.py small) are
+own virtual environment, take an hour, check out another commit or need a real model (vs_trl.py, before_after.py,
+memory.py, real_model.py, grpo_family.py; tests/test_real_model.py runs real_model.py small) are
 checked with --help: every flag the page uses must be one they take. The commands of the four
 scripts run in the test's process (conftest.run_main runs the script's __main__ block as `python` would), except
 those with --track or --compile and those under torchrun, which get a process of their own.
@@ -43,11 +43,10 @@ TINY = {
                                "8", "--num-mini-batches", "2", "--num-ppo-epochs", "1", "--num-eval-tasks", "8",
                                "--eval-every", "1"],
     "benchmarks/interleave_table.py": ["--seeds", "1", "--budget", "2"],
-    "benchmarks/memory_growth.py": ["--iterations", "3", "--batch-size", "16"],
     "benchmarks/plot.py": [],
 }
-HELP_ONLY = {"benchmarks/vs_trl.py", "benchmarks/prm_rewards.py", "benchmarks/before_after.py", "benchmarks/memory.py",
-             "benchmarks/real_model.py", "benchmarks/grpo_family.py", "benchmarks/filtered_kl.py"}
+HELP_ONLY = {"benchmarks/vs_trl.py", "benchmarks/before_after.py", "benchmarks/memory.py", "benchmarks/real_model.py",
+             "benchmarks/grpo_family.py"}
 HUB_MODELS = {"Qwen/Qwen2.5-0.5B-Instruct", "Qwen/Qwen2.5-0.5B", "Qwen/Qwen2.5-1.5B-Instruct",
               "Qwen/Qwen2.5-7B-Instruct", "./my-sft-model"}
 FENCE = re.compile(r"^```(\w*)([^\n]*)\n(.*?)^```", re.M | re.S)
@@ -161,7 +160,7 @@ def test_every_numbered_step_is_explained_with_a_link_to_its_line(script):
 
 
 def test_links_resolve():
-    for page in PAGES:
+    for page in [*PAGES, ROOT / "benchmarks" / "README.md"]:
         text = page.read_text()
         for target in re.findall(r"\]\(([^)\s]+)\)", text):
             if target.startswith(("http://", "https://", "#", "mailto:")):
@@ -172,6 +171,26 @@ def test_links_resolve():
             if anchor.startswith("L"):
                 n = int(anchor[1:].split("-")[0])
                 assert 1 <= n <= len(file.read_text().splitlines()), f"{page.name}: {target} is past the file's end"
+
+
+def test_benchmarks_index_names_every_script_once_and_its_commands_run():
+    """benchmarks/README.md: one row per script (at most 8) or helper, each file of the folder once, and every flag of
+    a script's command one its --help lists."""
+    index = (ROOT / "benchmarks" / "README.md").read_text()
+    rows = re.findall(r"^\| \[`(\w+\.py)`\]\(\1\) \|(.*)$", index, re.M)
+    names = [name for name, _ in rows]
+    assert sorted(names) == sorted(p.name for p in (ROOT / "benchmarks").glob("*.py")), names
+    scripts = {name: cells for name, cells in rows if "`python benchmarks/" in cells}
+    assert 1 <= len(scripts) <= 8, list(scripts)
+    for name, cells in scripts.items():
+        commands = re.findall(r"`(python benchmarks/[^`]+)`", cells)
+        flags = {w for c in commands for w in c.split() if w.startswith("--")}
+        flags |= set(re.findall(r"`(--[\w-]+)`", cells))
+        result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / name), "--help"], capture_output=True,
+                                text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert result.returncode == 0, f"{name} --help: {result.stderr[-2000:]}"
+        assert all(f"benchmarks/{name}" in c for c in commands), commands
+        assert not [f for f in flags if f not in result.stdout], f"{name} takes no {flags - set(result.stdout.split())}"
 
 
 def test_plot_script_draws_the_curves(tmp_path):

@@ -1,6 +1,6 @@
 """interleave.py's one-line errors name its own flags: an error that ppo.py's or stepwise_prm.py's helpers raise as
 --reward-fn or --dataset reads --rloo.reward-fn or --sft.dataset here, whether it comes from the checks before
-loading, from loading a phase's data, or from a reward function called during the run (issue 15)."""
+loading, from loading a phase's data, or from a reward function called during the run."""
 
 import pytest
 
