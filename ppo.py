@@ -911,16 +911,16 @@ CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {"h
 def packed_inputs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int) -> tuple:
     """The forward's inputs for rows of a left-padded prompt and a right-padded response of T tokens (input_ids and
     attention_mask [B, S]), and index [B, T], the flat output position scoring each response token. Padded rows' real
-    tokens are packed, longest first, into rows as wide as the longest, position ids from 0 for each, no mask and no
-    cache (with either, transformers would attend across them; checked once per model object, with one answer on all
-    processes, so that all make the same forwards); else the rows as they are."""
+    tokens are packed, longest first, into rows as wide as the longest, position ids from 0 for each, no mask, no cache
+    (with either, transformers attends across them; checked once per model, alike on all processes); else as is."""
     (B, S), n = input_ids.shape, attention_mask.sum(1)  # n [B]: each row's real tokens
     checked, device = CHECKED.setdefault(model, {}), input_ids.device
     if "packs" not in checked:  # a sequence twice in a row, position ids restarting: do both copies end alike?
         seq = input_ids[0, attention_mask[0].bool()][None, :16]
+        last = {"logits_to_keep": 1} if model.get_output_embeddings() is not None else {}  # an LM: 1 position's logits
         with torch.no_grad(), torch.autocast(device.type, enabled=False):
             one, two = (model(input_ids=x, position_ids=torch.arange(seq.shape[1], device=device).repeat(1, r),
-                              use_cache=False).logits[:, -1] for x, r in ((seq, 1), (seq.repeat(1, 2), 2)))
+                              use_cache=False, **last).logits[:, -1] for x, r in ((seq, 1), (seq.repeat(1, 2), 2)))
         fails = torch.tensor(float(not torch.allclose(one, two, rtol=1e-4, atol=1e-4)), device=device)
         checked["packs"] = bool(global_sum(fails) == 0)
     prompt = (n - attention_mask[:, S - T:].sum(1))[:, None]  # [B, 1]: real prompt tokens
@@ -963,7 +963,7 @@ def forward_to_head(model, keep: int, chunk: int, **inputs) -> tuple:
         if "head" not in checked:
             with torch.no_grad():
                 ok = getattr(model.config, "final_logit_softcapping", None) is None and \
-                    torch.allclose(head(h[:, -1:]), out.logits.float(), rtol=1e-4, atol=1e-5)
+                    torch.allclose(head(h[:, -1:]).float(), out.logits.float(), rtol=1e-4, atol=1e-5)
                 checked["head"] = bool(global_sum(torch.tensor(float(not ok), device=h.device)) == 0)  # everywhere
         if checked["head"]:
             return out, h, head
