@@ -122,6 +122,18 @@ def learn(episodes: int, folder: Path, seed: int) -> None:
     print(json.dumps({"accuracy": sum(s == 1.0 for s in scores) / len(rows), "seconds": seconds}))
 
 
+def grpo_config(out: Path, episodes: int, completion_tokens: int):
+    """GRPOConfig with rloo.py grpo's settings (grpo_real's docstring lists them) for `episodes` completions."""
+    from trl import GRPOConfig
+
+    return GRPOConfig(output_dir=str(out / "trl"), report_to=[], logging_steps=10**6, save_strategy="no", use_cpu=True,
+                      seed=1, dataloader_num_workers=0, disable_tqdm=True, bf16=False, gradient_checkpointing=False,
+                      per_device_train_batch_size=32, num_generations=4, max_completion_length=completion_tokens,
+                      temperature=1.0, top_p=1.0, learning_rate=2e-5, lr_scheduler_type="linear", adam_epsilon=1e-5,
+                      weight_decay=0.0, max_grad_norm=1.0, beta=0.04, use_bias_correction_kl=False, loss_type="grpo",
+                      scale_rewards="group", num_iterations=1, max_steps=episodes // 32)
+
+
 def grpo_real(episodes: int, model: Path, data: Path, out: Path, eval_every: int) -> None:
     """TRL's GRPOTrainer with rloo.py grpo's settings on real_model.py's task: 32 completions a step as 8 prompts x 4,
     16 new tokens, temperature 1, lr 2e-5 decaying linearly, AdamW (eps 1e-5, no weight decay, as ours), beta 0.04
@@ -130,7 +142,7 @@ def grpo_real(episodes: int, model: Path, data: Path, out: Path, eval_every: int
     generation, fp32, no checkpointing. One metrics row per step (iteration, episode, elapsed_s: seconds since
     training began, evaluations included, as ours); evaluations add eval/scores and task/accuracy from ppo.py's
     evaluate on the model being trained."""
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import ppo
@@ -170,13 +182,7 @@ def grpo_real(episodes: int, model: Path, data: Path, out: Path, eval_every: int
             log.flush()
 
     ds = Dataset.from_json(str(data / "train.jsonl"))
-    config = GRPOConfig(output_dir=str(out / "trl"), report_to=[], logging_steps=10**6, save_strategy="no",
-                        use_cpu=True, seed=1, dataloader_num_workers=0, disable_tqdm=True, bf16=False,
-                        gradient_checkpointing=False, per_device_train_batch_size=32, num_generations=4,
-                        max_completion_length=16, temperature=1.0, top_p=1.0, learning_rate=2e-5,
-                        lr_scheduler_type="linear", adam_epsilon=1e-5, weight_decay=0.0, max_grad_norm=1.0,
-                        beta=0.04, use_bias_correction_kl=False, loss_type="grpo", scale_rewards="group",
-                        num_iterations=1, max_steps=episodes // 32)
+    config = grpo_config(out, episodes, 16)
     trainer = GRPOTrainer(model=str(model), reward_funcs=reward, args=config, train_dataset=ds,
                           processing_class=tokenizer, callbacks=[Evaluate()])
     ref = trainer.ref_model.dtype if trainer.ref_model is not None else None
@@ -243,7 +249,7 @@ def grpo_lengths(episodes: int, model: Path, data: Path, out: Path) -> None:
     """TRL's GRPOTrainer (the newest release, 1.16) with rloo.py grpo's settings at replies of up to 128 tokens: 32
     completions a step as 8 prompts x 4, temperature 1, lr 2e-5, beta 0.04 with k3 in the loss, group std scaling,
     loss_type grpo, fp32, no checkpointing; each step's parts in OUT/splits.jsonl."""
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -251,13 +257,7 @@ def grpo_lengths(episodes: int, model: Path, data: Path, out: Path) -> None:
 
     reward = ppo.load_callable(f"{data / 'reward.py'}:score", "--reward-fn")
     out.mkdir(parents=True, exist_ok=True)
-    config = GRPOConfig(output_dir=str(out / "trl"), report_to=[], logging_steps=10**6, save_strategy="no",
-                        use_cpu=True, seed=1, dataloader_num_workers=0, disable_tqdm=True, bf16=False,
-                        gradient_checkpointing=False, per_device_train_batch_size=32, num_generations=4,
-                        max_completion_length=128, temperature=1.0, top_p=1.0, learning_rate=2e-5,
-                        lr_scheduler_type="linear", adam_epsilon=1e-5, weight_decay=0.0, max_grad_norm=1.0,
-                        beta=0.04, use_bias_correction_kl=False, loss_type="grpo", scale_rewards="group",
-                        num_iterations=1, max_steps=episodes // 32)
+    config = grpo_config(out, episodes, 128)
     trainer = GRPOTrainer(model=str(model), reward_funcs=reward, args=config,
                           train_dataset=Dataset.from_json(str(data / "train.jsonl")), processing_class=tokenizer)
     splits = Splits(out, [trainer.model, trainer.ref_model])
