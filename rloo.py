@@ -392,12 +392,13 @@ def shared_prefix_hidden(policy, queries: torch.Tensor, responses: torch.Tensor,
                          pad_token_id: int, chunk: int = 0) -> tuple:
     """(h [B, T, H], the output layer) where the logits score k responses per prompt (queries [P, Lq] left-padded,
     responses and valid [B, T]): each prompt forwarded once, its KV cache repeated k times, unless packing each response
-    after its prompt (response_hidden) computes fewer positions, or there is no cache (checkpointing; takes_cache)."""
+    after its prompt computes fewer positions summed over processes (one route for all), or no cache can be kept."""
     (P, Lq), (B, T) = queries.shape, responses.shape
     query_mask = ((queries != pad_token_id).cumsum(1) > 0).long()
     mask = torch.cat([query_mask.repeat_interleave(B // P, 0), valid.long()], 1)  # [B, Lq + T]
     checkpointing = any(getattr(m, "gradient_checkpointing", False) for m in policy.modules())
-    if (torch.is_grad_enabled() and checkpointing) or not takes_cache(policy) or mask.sum() < P * Lq + B * T:
+    packed, shared = global_sum(torch.tensor([mask.sum().item(), P * Lq + B * T], device=mask.device)).tolist()
+    if (torch.is_grad_enabled() and checkpointing) or not takes_cache(policy) or packed < shared:
         ids = torch.cat([queries.repeat_interleave(B // P, 0), responses], 1)
         return response_hidden(policy, ids, mask, T, chunk)
     prefix, first, head = forward_to_head(policy, 1, chunk, input_ids=queries, attention_mask=query_mask,

@@ -32,15 +32,16 @@ def main(algo: str, out: str, fsdp: bool, lora: bool) -> None:
             for name, p in policy.named_parameters():  # the policy with them off, is a model of its own
                 if "lora_B" in name:
                     p.normal_(std=0.2)
-    # the global batch: 4 prompts x 4 responses of different lengths, identical in every process, padded enough that
-    # both steps pack their rows (rloo.py: rather than share each prompt's prefix)
+    # the global batch: 4 prompts x 4 responses, identical in every process: the first 8 of different lengths, padded
+    # enough that both steps pack their rows (rloo.py: rather than share each prompt's prefix), the last 8 of 16 tokens,
+    # no padding (two processes: one batch padded, one not; they must take one route, else FSDP hangs, DDP breaks)
     gen = torch.Generator().manual_seed(1)
     queries = ppo.left_pad([tokenizer(f"{i}+{i * 3}=").input_ids for i in range(4)], tokenizer.pad_token_id)
     queries = queries.repeat_interleave(4, 0)
-    responses = torch.randint(4, len(tokenizer), (16, 12), generator=gen)
+    responses = torch.randint(4, len(tokenizer), (16, 16), generator=gen)
     lengths = torch.randint(1, 6, (16,), generator=gen)
     lengths[0] = 11
-    for row, n in enumerate(lengths.tolist()):
+    for row, n in enumerate(lengths.tolist()[:8]):
         responses[row, n] = tokenizer.eos_token_id
         responses[row, n + 1:] = tokenizer.pad_token_id
     rewards = torch.rand(16, generator=gen)
