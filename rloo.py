@@ -1003,14 +1003,19 @@ def packed_inputs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
     (with either, transformers attends across them; checked once per model, alike on all processes); else as is."""
     (B, S), n = input_ids.shape, attention_mask.sum(1)  # n [B]: each row's real tokens
     checked, device = CHECKED.setdefault(model, {}), input_ids.device
-    if "packs" not in checked:  # a sequence twice in a row, position ids restarting: do both copies end alike?
-        seq = input_ids[0, attention_mask[0].bool()][None, :16]
-        last = {"logits_to_keep": 1} if model.get_output_embeddings() is not None else {}  # an LM: 1 position's logits
-        with torch.no_grad(), torch.autocast(device.type, enabled=False):
-            one, two = (model(input_ids=x, position_ids=torch.arange(seq.shape[1], device=device).repeat(1, r),
-                              use_cache=False, **last).logits[:, -1] for x, r in ((seq, 1), (seq.repeat(1, 2), 2)))
-        fails = torch.tensor(float(not torch.allclose(one, two, rtol=1e-4, atol=1e-4)), device=device)
-        checked["packs"] = bool(global_sum(fails) == 0)
+    if "packs" not in checked:  # another sequence, then one of the batch, positions restarting: is it as if alone?
+        seq = input_ids[n.argmax(), attention_mask[n.argmax()].bool()][None, :16]  # [1, m]
+        other = (seq + 1) % model.get_input_embeddings().num_embeddings  # differs at every position
+        last = {"logits_to_keep": 1} if model.get_output_embeddings() is not None else {}  # no [m, V] logits
+        hidden, m = [], seq.shape[1]  # the decoder's output at every position (a hook), not the logits
+        with torch.no_grad(), torch.autocast(device.type, enabled=False), torch.compiler.set_stance("force_eager"), \
+                model.get_decoder().register_forward_hook(lambda module, args, output: hidden.append(output[0])):
+            for x in (seq, torch.cat([other, seq], 1)):  # eager: no compiled graph for a check made once
+                model(input_ids=x, position_ids=torch.arange(m, device=device).repeat(1, x.shape[1] // m),
+                      use_cache=False, **last)
+        tol = max(1e-4, 2 * torch.finfo(hidden[0].dtype).eps)  # bf16 weights: a bf16 forward, 2 units of rounding
+        fails = not torch.allclose(hidden[1][:, m:], hidden[0], rtol=tol, atol=tol)
+        checked["packs"] = bool(global_sum(torch.tensor(float(fails), device=device)) == 0)
     prompt = (n - attention_mask[:, S - T:].sum(1))[:, None]  # [B, 1]: real prompt tokens
     if not checked["packs"] or int(n.min()) == S:
         index = torch.arange(B, device=device)[:, None] * S + S - T - 1 + torch.arange(T, device=device)  # [B, T]
