@@ -651,7 +651,8 @@ def main(args: Args) -> None:
                  "checkpoint kept; lower --learning-rate, check the rewards, or pass --skip-nonfinite")
         # 10. Log: metrics averaged over processes (counts summed), a row per iteration; evaluation every --eval-every.
         metrics |= {"sampling/rounds": rounds, "sampling/equal_frac": len(aside) / (rounds * local_prompts),
-                    "sampling/decode_live_frac": sum(live) / rounds}
+                    "sampling/decode_live_frac": sum(live) / rounds,
+                    "sampling/decode_shapes": len(vars(policy).get("decode_caches", ()))}  # static caches (--compile)
         state["episode"] += args.batch_size
         row = {"iteration": iteration, "episode": state["episode"], "elapsed_s": round(time.time() - t0, 3),
                "lr": optimizer.param_groups[0]["lr"], **average_metrics(metrics, device, ("val/num_eos_tokens",))}
@@ -1164,7 +1165,7 @@ def decode_step(model, token: torch.Tensor, position_ids: torch.Tensor, attentio
 
 
 def static_cache(model, batch_size: int, length: int) -> StaticCache:
-    """The static cache of batch_size rows and length tokens, one per shape and dtype, kept (CUDA graphs)."""
+    """The static cache of batch_size rows and length tokens, one per shape and dtype, kept (a CUDA graph each)."""
     device = model.device.type
     key = (batch_size, length, torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device))
     caches = model.__dict__.setdefault("decode_caches", {})
@@ -1176,8 +1177,9 @@ def static_cache(model, batch_size: int, length: int) -> StaticCache:
 
 @functools.cache
 def compiled_decode_step(mode: str) -> Callable:
-    """decode_step compiled once per process: one whole graph, fixed shapes ("reduce-overhead": a CUDA graph)."""
-    return torch.compile(decode_step, fullgraph=True, dynamic=False, mode=mode)
+    """decode_step compiled once per process: one whole graph for every batch size and cache length (dynamic: a fixed
+    shape a graph would meet dynamo's recompile limit, 8, within a run); "reduce-overhead": a CUDA graph a shape."""
+    return torch.compile(decode_step, fullgraph=True, dynamic=True, mode=mode)
 
 
 @torch.no_grad()
@@ -1188,7 +1190,8 @@ def decode_loop(model, queries: torch.Tensor, attention_mask: torch.Tensor, gen:
     at EOS or stop(new_ids [B, t]), the loop when every process's have. Below gen.compact_below live, finished rows
     leave (compiled: to half, down to a quarter; one stays if none is live: FSDP's forwards are collectives)."""
     (B, Lq), T, compiled = queries.shape, gen.max_new_tokens, gen.compile_config is not None
-    length = -(-(Lq + T) // 16) * 16  # a static cache's: prompt and response, up to 16s (batches share a graph)
+    power = 1 << max(4, (Lq + T - 1).bit_length())  # a static cache holds prompt and response: a power of 2 or 3/4 of
+    length = power * 3 // 4 if power * 3 // 4 >= Lq + T else power  # one, so a few lengths and <= 1.5x the tokens
     cache = static_cache(model, B, length) if compiled else DynamicCache(config=model.config)
     # a sliding-window layer's static cache counts tokens in a Python int, frozen in a compiled step: eager then
     if compiled and any(type(layer) is not StaticLayer for layer in cache.layers):
@@ -1530,14 +1533,14 @@ def place(models: list, device: torch.device, fsdp: bool, world: int) -> None:
 
 
 def compile_models(enabled: bool, models: list, configs: list[GenerationConfig], device: torch.device) -> None:
-    """--compile: the models' forwards compiled (dynamic shapes), and decode_loop's step (fixed: CUDA graphs on GPU)."""
+    """--compile: the models' forwards and decode_loop's one-token step compiled, shapes dynamic (GPU: CUDA graphs)."""
     if not enabled:
         return
     for model in filter(None, models):
         model.forward = torch.compile(model.forward, dynamic=True)
     for config in configs:
         mode = "reduce-overhead" if device.type == "cuda" else "default"
-        config.compile_config = CompileConfig(fullgraph=True, dynamic=False, mode=mode)
+        config.compile_config = CompileConfig(fullgraph=True, dynamic=True, mode=mode)
 
 
 def full_state_dict(model: torch.nn.Module) -> dict:

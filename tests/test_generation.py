@@ -303,6 +303,38 @@ def test_compiled_step_gives_the_eager_tokens():
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
+def test_a_run_of_compiled_decodes_keeps_its_graphs_and_caches_bounded():
+    """A run's decode batches: prompts of 3 to 8-120 tokens, 16 rows a rollout and 50 an evaluation, rows ending at
+    varied steps (so half and a quarter of the rows step on). A graph a (rows, cache length) met dynamo's recompile
+    limit (8) within the first batches, a hard failure under fullgraph; with dynamic shapes, at most 2 graphs, and a
+    static cache (one CUDA graph on a GPU) a row count and length of the ladder 16, 24, 32, 48, 64, 96, ..., at most
+    1.5 times the tokens needed. Under
+    dynamo's eager backend: inductor's guards and recompile limit, without its compile time."""
+    model = ppo.build_tiny_model(ppo.build_tokenizer()).eval()
+    gen = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=24, compact_below=0.5,
+                           **SPECIAL)
+    gen.compile_config = compile_config()
+    rng, needed, rows_stepped = random.Random(0), {}, []
+    torch.compiler.set_default_backend("eager")
+    try:
+        for i in range(12):
+            longest = rng.choice([8, 30, 60, 120])
+            queries = ppo.left_pad([[rng.randrange(4, 20) for _ in range(rng.randint(3, longest))]
+                                    for _ in range(50 if i % 4 == 0 else 16)], 0)
+            responses, _, stepped = ppo.decode_loop(model, queries, (queries != 0).long(), gen)
+            needed[queries.shape[1] + 24] = queries.shape[0]
+            rows_stepped.append(stepped / responses.numel())
+    finally:
+        torch.compiler.set_default_backend(None)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2
+    assert min(rows_stepped) < 0.9  # rows left the batch: the half and quarter sizes were met
+    lengths = {length for _, length, _ in model.decode_caches}
+    assert len({n.bit_length() for n in needed}) >= 3 and len(lengths) >= 3  # several lengths met
+    ladder = {2 ** k for k in range(4, 12)} | {3 * 2 ** k for k in range(3, 11)}
+    assert lengths <= ladder and all(n <= min(x for x in lengths if x >= n) <= 1.5 * n for n in needed)
+    assert {rows for rows, _, _ in model.decode_caches} <= {50, 25, 13, 16, 8, 4}
+
+
 def test_compiled_gpt2_gives_the_eager_tokens():
     """GPT-2's learned positions under the compiled step: model.generate's greedy tokens, with left padding."""
     model = tiny(GPT2Config)
