@@ -518,8 +518,9 @@ def main(args: Args) -> None:
     # 7. Models: the reference is a frozen copy of the policy (LoRA: the policy, adapters off); a one-label value model.
     ref_policy = None if args.memory.lora_r else disable_dropout(copy.deepcopy(policy)).eval().requires_grad_(False)
     source, flag = args.value_model or args.task.reward_model, "--value-model" if args.value_model else "--reward-model"
-    value_model = load_pretrained(AutoModelForTokenClassification, source, flag, args.trust_remote_code, num_labels=1) \
-        if source else token_classifier_from(policy, 1, "--model", "give --value-model", args.trust_remote_code)
+    value_model = load_pretrained(AutoModelForTokenClassification, source, flag, args.trust_remote_code, num_labels=1,
+                                  dtype=torch.float32) if source else \
+        token_classifier_from(policy, 1, "--model", "give --value-model", args.trust_remote_code)  # fp32 as the policy
     value_model.config.pad_token_id = tokenizer.pad_token_id
     policy, value_model = with_lora(policy, args.memory), with_lora(value_model, args.memory)
     task = load_task(args.task, tokenizer, model_context(policy), gen.max_new_tokens, args.trust_remote_code, world)

@@ -590,7 +590,7 @@ def load_model(args: Args) -> tuple:
     else:
         tokenizer = load_pretrained(AutoTokenizer, args.model, "--model", args.trust_remote_code)
         model = load_pretrained(AutoModelForTokenClassification, args.model, "--model", args.trust_remote_code,
-                                num_labels=2)
+                                num_labels=2, dtype=torch.float32)  # fp32 weights whatever the folder's dtype
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
     separator = tokenizer(args.step_separator, add_special_tokens=False).input_ids
