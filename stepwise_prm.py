@@ -808,8 +808,19 @@ def load_weights(model, folder: Path) -> None:
     if lora != (folder / "adapter_config.json").exists():
         fail("--lora-r", 0 if not lora else model.peft_config["default"].r, f"the checkpoint {folder.parent} was "
              f"written {'without' if lora else 'with'} LoRA adapters: resume with the run's own --lora-r")
-    if lora:
-        peft.set_peft_model_state_dict(model, peft.utils.load_peft_weights(str(folder)))
+    if lora:  # the adapters' settings are the checkpoint's (others would load onto other modules, or scale otherwise)
+        saved = json.loads((folder / "adapter_config.json").read_text())
+        for key, flag in (("r", "--lora-r"), ("lora_alpha", "--lora-alpha"), ("lora_dropout", "--lora-dropout"),
+                          ("target_modules", "--lora-target-modules")):
+            ours, theirs = (sorted({t.rsplit(".", 1)[-1] for t in x}) if isinstance(x, set | list) else x
+                            for x in (getattr(model.peft_config["default"], key), saved.get(key)))
+            if ours != theirs:
+                fail(flag, ours, f"the checkpoint {folder.parent} was written with {key} {theirs}: resume with it")
+        found = peft.set_peft_model_state_dict(model, peft.utils.load_peft_weights(str(folder)))
+        missing = [k for k in found.missing_keys if "lora_" in k or "modules_to_save" in k]
+        if found.unexpected_keys or missing:
+            fail("--resume", str(folder.parent), f"its {folder.name} adapters do not fit the model (unexpected "
+                 f"{found.unexpected_keys[:2]}, missing {missing[:2]}); resume with the run's own --model")
         return
     found = model.load_state_dict({k: v for f in folder.glob("*.safetensors") for k, v in load_file(f).items()}, False)
     own = model.state_dict()
