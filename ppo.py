@@ -1470,13 +1470,18 @@ def optimizer_state(optimizer) -> dict:
 
 
 def load_optimizer_state(optimizer, state: dict) -> None:
-    """Restore what optimizer_state saved, sharding each tensor like its parameter."""
-    params = [p for g in optimizer.param_groups for p in g["params"]]
+    """Restore what optimizer_state saved, sharding each tensor like its parameter; the run's weight decay kept (a
+    decay on or off makes two parameter groups or one: the checkpoint's way is kept, else the run stops)."""
+    params, decay = [p for g in optimizer.param_groups for p in g["params"]], optimizer.param_groups[0]["weight_decay"]
+    if len(state["param_groups"]) != len(optimizer.param_groups):
+        fail("--weight-decay", decay, f"the checkpoint's optimizer has {len(state['param_groups'])} parameter "
+             f"group(s), weight decay {'off' if decay else 'on'}: resume with {'0' if decay else 'one > 0'}")
     for i, s in state["state"].items():
         if hasattr(params[i], "device_mesh"):
             state["state"][i] = {k: distribute_tensor(v, params[i].device_mesh, params[i].placements) if v.dim()
                                  else v for k, v in s.items()}
     optimizer.load_state_dict(state)
+    optimizer.param_groups[0]["weight_decay"] = decay  # the state's groups hold the checkpoint's values
 
 
 def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:

@@ -11,7 +11,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer
 
 import ppo
 import stepwise_prm
-from conftest import run_script
+from conftest import assert_one_line_error, run_main, run_script
 
 
 def decayed(optimizer) -> set[int]:
@@ -87,3 +87,17 @@ def test_a_run_with_weight_decay_resumes_exactly(script, tmp_path):
 
     a, b = (load_file(tmp_path / run / "model" / "model.safetensors") for run in ("full", "resumed"))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_resume_takes_the_new_weight_decay_and_refuses_turning_it_on_or_off(tmp_path):
+    """optimizer.load_state_dict brings the checkpoint's weight decay back: resumed with another --weight-decay, a run
+    went on with the old one, silently; resumed with it turned off (one parameter group for two), it stopped with a
+    traceback. Now the new value trains, and turning decay on or off is refused in one line."""
+    args = [*RUNS["ppo.py"], "--save-every", "1", "--eval-every", "100", "--output-dir", tmp_path / "run"]
+    assert run_script("ppo.py", *args, "--weight-decay", "0.1").returncode == 0
+    resumed = run_script("ppo.py", *args, "--weight-decay", "0.3", "--total-episodes", "48", "--resume", "latest")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    state = torch.load(tmp_path / "run" / "checkpoints" / "iter_000003" / "state.pt", weights_only=True)
+    assert [g["weight_decay"] for g in state["optimizer"]["param_groups"]] == [0.3, 0.0]
+    result = run_main("ppo.py", *args, "--weight-decay", "0", "--total-episodes", "64", "--resume", "latest")
+    assert_one_line_error(result, "--weight-decay", "2 parameter group(s), weight decay on", "resume with one > 0")
