@@ -4,8 +4,10 @@ import contextlib
 import io
 import os
 import runpy
+import signal
 import subprocess
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -23,6 +25,18 @@ def run_script(script: str, *args: str, cwd: Path | None = None, env: dict | Non
     cmd = [*(launcher or [sys.executable]), str(ROOT / script), *map(str, args)]
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(cmd, cwd=cwd or ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def run_killed_at(script: str, *args: str, checkpoint: Path) -> None:
+    """Run `python <script> args...` and kill it with SIGKILL as soon as the checkpoint folder is written: a crash."""
+    proc = subprocess.Popen([sys.executable, str(ROOT / script), *map(str, args)], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not checkpoint.exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
 
 
 def run_main(script: str, *args: str, cwd: Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -5,18 +5,16 @@ to one left alone, and the NaN/inf guard."""
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 import ppo
-from conftest import ROOT, assert_merged_is_base_plus_adapter, assert_one_line_error, run_script
+from conftest import ROOT, assert_merged_is_base_plus_adapter, assert_one_line_error, run_killed_at, run_script
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 TINY = {
@@ -100,15 +98,7 @@ def test_sigkill_then_resume_equals_a_run_left_alone(script, tmp_path):
     args = [*TINY[script], "--total-episodes", "640", "--save-every", "2", "--keep-checkpoints", "3"]
     full, killed = tmp_path / "full", tmp_path / "killed"
     assert run_script(script, *args, "--output-dir", full).returncode == 0
-    proc = subprocess.Popen([sys.executable, str(ROOT / script), *args, "--output-dir", str(killed)], cwd=ROOT,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while not (killed / "checkpoints" / "iter_000006").exists() and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+    run_killed_at(script, *args, "--output-dir", killed, checkpoint=killed / "checkpoints" / "iter_000006")
     assert not (killed / "model").exists()
     result = run_script(script, *args, "--output-dir", killed, "--resume", "latest")
     assert result.returncode == 0, result.stderr[-3000:]

@@ -6,19 +6,15 @@ dynamo's eager backend (inductor's guards and recompile limit, a limit hit a fai
 compiling); bf16 model folders. Every cell must finish. (One step on 1 and 2 processes: tests/test_distributed.py.)"""
 
 import json
-import os
 import random
-import signal
-import subprocess
 import sys
-import time
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 import ppo
-from conftest import ROOT, assert_one_line_error, run_main, run_script
+from conftest import assert_one_line_error, run_killed_at, run_main, run_script
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 EAGER_COMPILE = [sys.executable, "-c", "import runpy, sys, torch; torch.compiler.set_default_backend('eager'); "
@@ -75,15 +71,7 @@ def test_a_lora_run_killed_at_a_checkpoint_resumes_as_left_alone_and_refuses_oth
     full, killed = tmp_path / "full", tmp_path / "killed"
     rows = finished(run_script(script, *args, "--output-dir", full), full)
     assert len({round(r["val/response_length"], 3) for r in rows[1:]}) > 6  # responses ended at varied points
-    proc = subprocess.Popen([sys.executable, str(ROOT / script), *map(str, args), "--output-dir", str(killed)],
-                            cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while not (killed / "checkpoints" / "iter_000004").exists() and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+    run_killed_at(script, *args, "--output-dir", killed, checkpoint=killed / "checkpoints" / "iter_000004")
     resumed = run_script(script, *args, "--output-dir", killed, "--resume", "latest")
     assert without_time(finished(resumed, killed)) == without_time(rows)
     a, b = load_file(full / "adapter" / "adapter_model.safetensors"), load_file(killed / "adapter" /
