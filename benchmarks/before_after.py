@@ -14,6 +14,7 @@ processes take turns (each commit in fp32 and in bf16), and the figure compared 
     python benchmarks/before_after.py --before 28ab30d --dtype bf16 --only ppo --only prm   # bf16's attention kernel
     python benchmarks/before_after.py --before c120fc9 --bf16-gain --only ppo   # fp32 / bf16, before and after
     python benchmarks/before_after.py --before e91594c --real-lengths benchmarks/.cache/real_model/SmolLM2-135M-Instruct
+    python benchmarks/before_after.py --before caea705 --decode 8   # the decode loop alone, eager and compiled
 
 --real-lengths times one process's generation and update on the same batch at real lengths instead: SmolLM2's 32
 replies of up to 128 tokens to "Think step by step" sums (real_model.py --real-lengths' task), sampled by each
@@ -45,22 +46,71 @@ def times_in_turn(algo: str, sides: list[tuple[str, str, Path]], iterations: int
     return [t[vs_trl.WARMUP:-1] for t in vs_trl.in_turn(commands, Path(tmp))]  # the last iteration evaluates
 
 
-def same_batch(before: Path, model: Path, algo: str, turns: int = 3) -> None:
-    """--real-lengths: seconds of the decode loop and of one update (rloo_step with the grpo settings, or ppo_step
-    with one epoch of one mini-batch) on one batch, each commit's in turn."""
-    import copy
+def both_sides(before: Path, algo: str) -> list:
+    """The script `algo` of the earlier commit and of this checkout, imported side by side in this process."""
     import importlib.util
-    import time
 
-    import torch
-
-    torch.set_num_threads(2)
     modules = []
     for name, root in (("before", before), ("after", ROOT)):
         spec = importlib.util.spec_from_file_location(f"{algo}_{name}", root / f"{algo}.py")
         modules.append(importlib.util.module_from_spec(spec))
         sys.modules[spec.name] = modules[-1]  # dataclasses look their module up
         spec.loader.exec_module(modules[-1])
+    return modules
+
+
+def decode_in_turn(before: Path, art: Path, prompt_tokens: int, turns: int = 15) -> None:
+    """--decode: seconds of each commit's decode loop on the small preset (32 x 32 sampled tokens after prompts of
+    `prompt_tokens`, EOS banned), eager and as --compile runs it (compile_models on a copy of the policy), the four
+    paths in turn after a warm-up each; medians, and the median of the after / before ratios of each turn."""
+    import copy
+    import time
+
+    import torch
+
+    torch.set_num_threads(2)
+    sides = both_sides(before, "ppo")
+    policy = sides[1].disable_dropout(sides[1].AutoModelForCausalLM.from_pretrained(art / "policy"))
+    queries = torch.randint(3, 4096, (32, prompt_tokens), generator=torch.Generator().manual_seed(0))
+    paths = {}
+    for side, module in zip(("before", "after"), sides):
+        gen = module.GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=32,
+                                      min_new_tokens=32, pad_token_id=0, eos_token_id=2)
+        compiled, compiled_gen = copy.deepcopy(policy), copy.deepcopy(gen)
+        module.compile_models(True, [compiled], [compiled_gen], torch.device("cpu"))
+        paths[side, "eager"] = lambda m=module, g=gen: m.decode_loop(policy, queries, torch.ones_like(queries), g)
+        paths[side, "compiled"] = lambda m=module, c=compiled, g=compiled_gen: m.decode_loop(
+            c, queries, torch.ones_like(queries), g)
+    times = {key: [] for key in paths}
+    for fn in paths.values():
+        torch.manual_seed(0)
+        fn()  # warm-up (compiled: the compiling)
+    for _ in range(turns):
+        for key, fn in paths.items():
+            torch.manual_seed(0)
+            start = time.perf_counter()
+            fn()
+            times[key].append(time.perf_counter() - start)
+    print(f"decode loop, 32 x 32 sampled tokens after {prompt_tokens}-token prompts; seconds, medians of {turns} "
+          "turns\n| path | before | after | after / before | paired after / before (quartiles) |\n"
+          "| --- | --- | --- | --- | --- |")
+    for path in ("eager", "compiled"):
+        b, a = times["before", path], times["after", path]
+        q1, q2, q3 = statistics.quantiles([y / x for x, y in zip(b, a)], n=4)
+        print(f"| {path} | {statistics.median(b):.3f} | {statistics.median(a):.3f} | "
+              f"{statistics.median(a) / statistics.median(b):.3f} | {q2:.3f} ({q1:.3f}-{q3:.3f}) |", flush=True)
+
+
+def same_batch(before: Path, model: Path, algo: str, turns: int = 3) -> None:
+    """--real-lengths: seconds of the decode loop and of one update (rloo_step with the grpo settings, or ppo_step
+    with one epoch of one mini-batch) on one batch, each commit's in turn."""
+    import copy
+    import time
+
+    import torch
+
+    torch.set_num_threads(2)
+    modules = both_sides(before, algo)
     tokenizer, policy = modules[1].load_policy(str(model), False)
     policy = modules[1].disable_dropout(policy).eval().requires_grad_(False)  # the reference, and every update's start
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": f"What is {a}+{b}? Think step by step, then "
@@ -114,6 +164,8 @@ def main() -> None:
                         help="the bf16 speed gain (fp32 / bf16) before and after: four processes taking turns")
     parser.add_argument("--real-lengths", type=Path, metavar="MODEL_FOLDER",
                         help="generation and one rloo_step on the same batch at real lengths (a SmolLM2 folder)")
+    parser.add_argument("--decode", type=int, metavar="PROMPT_TOKENS",
+                        help="the decode loop alone, eager and compiled, on the small preset after prompts this long")
     args = parser.parse_args()
     if args.real_lengths and "prm" in (args.only or []):
         parser.error("--real-lengths --only prm: the real-length timing is of ppo.py's and rloo.py's updates")
@@ -126,6 +178,9 @@ def main() -> None:
             if args.real_lengths:
                 for algo in args.only or ["rloo"]:
                     same_batch(before, args.real_lengths.resolve(), algo)
+                return
+            if args.decode:
+                decode_in_turn(before, art, args.decode)
                 return
             if args.bf16_gain:
                 print(f"| bf16 gain (fp32 / bf16 s/iter) | before ({args.before}) | after (this checkout) "

@@ -21,8 +21,10 @@ after one warm-up) for `model.generate`, for the scripts' decode loop (`ppo.gene
 `--compile` runs it; then `ppo.py` and `rloo.py` for 2 iterations in one process (s/iter of the second; the first
 holds the warm-up; peak GPU memory by torch.cuda.max_memory_allocated at the process's exit), the same with
 `--logits-chunk 0` (the whole [B, T, V] logits in every pass, for the memory the chunked default saves), and each for
-2 iterations under `torchrun --nproc_per_node 1` (nccl on CUDA, gloo on CPU). A row that fails says so and the rest
-still run; the command then exits non-zero after the table and the failures' last lines.
+2 iterations under `torchrun --nproc_per_node 1` (nccl on CUDA, gloo on CPU), and each for 12 iterations under
+`--compile` (inductor) over prompts of 3 to 128 tokens with 24 new tokens, its status giving the decode shapes met
+(`sampling/decode_shapes`; on CPU only with --cpu-compile). A row that fails says so and the rest still run; the
+command then exits non-zero after the table and the failures' last lines.
 
 Then two tables at uneven lengths (a stop string ends a response at a random token, some run to the cap): one decode
 step at the batch size, a half, a quarter and an eighth of it (what dropping finished rows from the decode loop saves
@@ -142,6 +144,9 @@ def build(folder: Path, size: Size) -> None:
         raise RuntimeError(f"only {len(prompts)} of {4 * size.batch} prompts tokenize back to {size.prompt_len} tokens")
     with (folder / "prompts.jsonl").open("w") as f:
         f.writelines(json.dumps({"prompt": p}) + "\n" for p in prompts)
+    with (folder / "uneven.jsonl").open("w") as f:  # the compiled runs' prompts: 3 to prompt_len tokens
+        f.writelines(json.dumps({"prompt": tokenizer.decode(tokenizer(p).input_ids[1:rng.randint(3, size.prompt_len)])})
+                     + "\n" for p in prompts)
 
 
 def sync(device: torch.device) -> None:
@@ -295,10 +300,12 @@ def split_rows(folder: Path, size: Size, deadline: float, failures: list[str]) -
     return rows
 
 
-def script_rows(folder: Path, size: Size, device: torch.device, deadline: float,
+def script_rows(folder: Path, size: Size, device: torch.device, deadline: float, cpu_compile: bool,
                 failures: list[str]) -> list[list[str]]:
-    """Rows: ppo.py and rloo.py for 2 iterations in one process, then each under torchrun --nproc_per_node 1; a run
-    still going at `deadline` (time.perf_counter()) is stopped, and runs not started by then are skipped."""
+    """Rows: ppo.py and rloo.py for 2 iterations in one process, then each under torchrun --nproc_per_node 1, then
+    (on CPU only with cpu_compile) 12 iterations under --compile over prompts of 3 to prompt_len tokens, 24 new
+    tokens, its status saying the decode shapes met; a run still going at `deadline` (time.perf_counter()) is
+    stopped, and runs not started by then are skipped."""
     common = ["--model", folder, "--dataset", folder / "prompts.jsonl", "--reward-fn",
               f"{THIS}:length_reward", "--batch-size", size.batch, "--total-episodes", 2 * size.batch,
               "--max-new-tokens", size.new_tokens, "--dtype", "bf16", "--learning-rate", "1e-6",
@@ -310,14 +317,25 @@ def script_rows(folder: Path, size: Size, device: torch.device, deadline: float,
         for launcher, name, extra in [([sys.executable, "-c", PEAK], f"{script}, 1 process", []),
                                       ([sys.executable, "-c", PEAK], f"{script}, 1 process, --logits-chunk 0",
                                        ["--logits-chunk", "0"]),
-                                      (torchrun, f"{script}, torchrun --nproc_per_node 1 ({backend})", [])]:
+                                      (torchrun, f"{script}, torchrun --nproc_per_node 1 ({backend})", []),
+                                      ([sys.executable, "-c", PEAK], f"{script}, --compile, uneven prompts, 12 its",
+                                       ["--compile", "--dataset", folder / "uneven.jsonl", "--max-new-tokens", "24",
+                                        "--total-episodes", 12 * size.batch])]:
+            if "--compile" in extra and device.type == "cpu" and not cpu_compile:
+                rows.append([name, "", "", "", "", "skipped on CPU: compiling takes minutes (--cpu-compile runs it)"])
+                continue
             out = Path(tempfile.mkdtemp(prefix=f"gpu_check_{script[:-3]}_"))
-            cmd = [*launcher, script, *map(str, common), *extra, "--output-dir", str(out)]
+            cmd = [*launcher, script, *map(str, [*common, *extra]), "--output-dir", str(out)]
             left = deadline - time.perf_counter()
             if left < 10:
                 rows.append([name, "", "", "", "", "skipped: past the time budget (--budget-s)"])
                 continue
-            rows.append(script_row(name, cmd, out, min(size.timeout_s, left), failures))
+            rows.append(script_row(name, cmd, out, min(size.timeout_s * (3 if extra[:1] == ["--compile"] else 1), left),
+                                   failures))
+            if rows[-1][-1] == "ok" and "--compile" in extra:  # seconds of iterations 3-12: the compiling is done
+                logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+                rows[-1][1] = f"{(logged[-1]['elapsed_s'] - logged[2]['elapsed_s']) / 10:.2f} s/iter (3-12)"
+                rows[-1][-1] = f"ok, {logged[-1]['sampling/decode_shapes']:.0f} decode shapes"
             print(f"gpu_check: {' | '.join(rows[-1])}", file=sys.stderr, flush=True)
     return rows
 
@@ -354,7 +372,7 @@ def main() -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()  # hand the generation rows' cached blocks back: the script runs are other processes
     if args.only in (None, "scripts"):
-        rows += script_rows(folder, size, device, start + args.budget_s, failures)
+        rows += script_rows(folder, size, device, start + args.budget_s, args.cpu_compile, failures)
     lengths = [step_times(folder, size, device), *split_rows(folder, size, start + args.budget_s, failures)] \
         if args.only in (None, "lengths") else []
 
