@@ -397,7 +397,7 @@ def shared_prefix_hidden(policy, queries: torch.Tensor, responses: torch.Tensor,
     query_mask = ((queries != pad_token_id).cumsum(1) > 0).long()
     mask = torch.cat([query_mask.repeat_interleave(B // P, 0), valid.long()], 1)  # [B, Lq + T]
     checkpointing = any(getattr(m, "gradient_checkpointing", False) for m in policy.modules())
-    packed, shared = global_sum(torch.tensor([mask.sum().item(), P * Lq + B * T], device=mask.device)).tolist()
+    packed, shared = global_sum(torch.stack([mask.sum(), mask.new_tensor(P * Lq + B * T)])).tolist()  # one sync
     if (torch.is_grad_enabled() and checkpointing) or not takes_cache(policy) or packed < shared:
         ids = torch.cat([queries.repeat_interleave(B // P, 0), responses], 1)
         return response_hidden(policy, ids, mask, T, chunk)

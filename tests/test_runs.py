@@ -104,7 +104,7 @@ def test_a_compiled_run_over_prompts_of_many_lengths_keeps_its_decode_shapes_bou
     rows = finished(result, tmp_path / "run")
     shapes = [r["sampling/decode_shapes"] for r in rows[1:]]
     assert shapes == sorted(shapes) and 3 <= shapes[-1] <= 12  # rollout and evaluation rows, halves, quarters
-    # x the cache lengths met (powers of 2: 64, 128, 256 here)
+    # x the ladder's cache lengths met (here at most 4 of 32, 48, 64, 96, 128, 192)
 
 
 def test_bf16_model_folders_train_in_fp32(tmp_path):
