@@ -250,12 +250,13 @@ def sft_step(policy, optimizer, input_ids: torch.Tensor, attention_mask: torch.T
     labels -100 where there is nothing to learn), summed over all processes and divided by their count."""
     device = next(policy.parameters()).device
     input_ids, attention_mask, labels = input_ids.to(device), attention_mask.to(device), labels.to(device)
-    _, h, head = ppo.forward_to_head(policy, input_ids.shape[1], logits_chunk, input_ids=input_ids,
-                                     attention_mask=attention_mask)  # h [B, L, H], or the logits [B, L, V]
-    targets, mask = labels[:, 1:], labels[:, 1:] != -100  # [B, L-1]
+    (B, L), targets, mask = input_ids.shape, labels[:, 1:], labels[:, 1:] != -100  # [B, L-1]
+    scored = torch.arange(B * L, device=device).view(B, L)[:, :-1][mask]  # [N] the positions with a label next
+    h, head = ppo.forward_to_head(policy, scored, logits_chunk, input_ids=input_ids,
+                                  attention_mask=attention_mask)  # h [N, H], or the logits [N, V]
     n = ppo.global_sum(mask.sum().float()).clamp(min=1) / ppo.world_size()
-    losses, hits = ppo.over_logits([head], [h[:, :-1]], targets.clamp(min=0), lambda x, t: (  # [B, L-1] each: loss, hit
-        -ppo.token_logprobs(x, t, 1.0)[0], (x.argmax(-1) == t).float()), logits_chunk)
+    losses, hits = ppo.over_logits([head], [h], targets.clamp(min=0), lambda x, t: (  # [B, L-1] each: loss, hit
+        -ppo.token_logprobs(x, t, 1.0)[0], (x.argmax(-1) == t).float()), logits_chunk, mask)
     loss = (losses * mask).sum() / n
     loss.backward()  # even when not finite: every process runs the same collectives
     finite = torch.isfinite(loss)

@@ -240,7 +240,7 @@ class RLOOHParams:
     forward_batch_size: int = 64
     """responses per chunk in the no-grad rollout forward passes"""
     logits_chunk: int = 2 ** 24
-    """logits made at once (positions x vocabulary rows; 64 MB fp32), recomputed in backward (0: whole [B, T, V])"""
+    """logits made at once (scored positions x vocabulary rows; 64 MB fp32), recomputed in backward (0: all at once)"""
     skip_nonfinite: bool = False
     """skip (and count) a mini-batch whose loss or gradient norm is NaN/inf, instead of stopping the run"""
     prm_aggregate: Literal["min", "mean", "last"] = "min"
@@ -388,36 +388,6 @@ def sequence_rewards(scores: torch.Tensor, process: list | None, aggregate: str,
     return scores + weight * torch.tensor([agg([p for _, p in steps]) if steps else 0.0 for steps in process])
 
 
-def shared_prefix_hidden(policy, queries: torch.Tensor, responses: torch.Tensor, valid: torch.Tensor,
-                         pad_token_id: int, chunk: int = 0) -> tuple:
-    """(h [B, T, H], the output layer) where the logits score k responses per prompt (queries [P, Lq] left-padded,
-    responses and valid [B, T]): each prompt forwarded once, its KV cache repeated k times, unless packing each response
-    after its prompt computes fewer positions summed over processes (one route for all), or no cache can be kept."""
-    (P, Lq), (B, T) = queries.shape, responses.shape
-    query_mask = ((queries != pad_token_id).cumsum(1) > 0).long()
-    mask = torch.cat([query_mask.repeat_interleave(B // P, 0), valid.long()], 1)  # [B, Lq + T]
-    checkpointing = any(getattr(m, "gradient_checkpointing", False) for m in policy.modules())
-    packed, shared = global_sum(torch.stack([mask.sum(), mask.new_tensor(P * Lq + B * T)])).tolist()  # one sync
-    if (torch.is_grad_enabled() and checkpointing) or not takes_cache(policy) or packed < shared:
-        ids = torch.cat([queries.repeat_interleave(B // P, 0), responses], 1)
-        return response_hidden(policy, ids, mask, T, chunk)
-    prefix, first, head = forward_to_head(policy, 1, chunk, input_ids=queries, attention_mask=query_mask,
-                                          position_ids=position_ids_from(query_mask), use_cache=True)
-    prefix.cache.batch_repeat_interleave(B // P)
-    _, rest, _ = forward_to_head(policy, T, chunk, input_ids=responses, attention_mask=mask,
-                                 position_ids=position_ids_from(mask)[:, Lq:], cache=prefix.cache)
-    return torch.cat([first.repeat_interleave(B // P, 0), rest], 1)[:, :-1], head  # [B, T, H] (or logits)
-
-
-def shared_prefix_logprobs(policy, queries: torch.Tensor, responses: torch.Tensor, valid: torch.Tensor,
-                           pad_token_id: int, temperature: float, support: tuple = (0, 1.0, 0.0),
-                           with_entropy: bool = False, entropy_grad: bool = False, chunk: int = 0) -> tuple:
-    """token_logprobs' logprobs and entropy [B, T] of k responses per prompt (shared_prefix_hidden, over_logits)."""
-    h, head = shared_prefix_hidden(policy, queries, responses, valid, pad_token_id, chunk)
-    return over_logits([head], [h], responses, lambda x, t: token_logprobs(x, t, temperature, support, with_entropy,
-                                                                              entropy_grad), chunk, valid)
-
-
 def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: torch.Tensor, rewards: torch.Tensor,
               masks: torch.Tensor | None = None, *, hp: RLOOHParams, pad_token_id: int, eos_token_id: int | None = None,
               sampler_logprobs: torch.Tensor | None = None, ended: torch.Tensor | None = None) -> dict[str, float]:
@@ -441,6 +411,7 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
     if queries.shape[0] == B and not torch.equal(queries, queries[::k].repeat_interleave(k, 0)):
         raise ValueError("the k samples of each prompt must be contiguous and share one query")
     queries = queries[::k] if queries.shape[0] == B else queries  # [P, Lq]
+    query_mask = (queries != pad_token_id).cumsum(1) > 0  # left padding is the leading run of pad tokens
     support = (hp.top_k, hp.top_p, hp.min_p)  # the sampler's filters: the policy's and the reference's logprobs
     sampler_logprobs = None if sampler_logprobs is None else sampler_logprobs.to(device)  # [B, T], moved once
     high = hp.cliprange if hp.epsilon_high is None else hp.epsilon_high
@@ -456,8 +427,8 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
     # pass's own, run here if one batch), the reference's on the sampler's support (a filter: the policy runs here too).
     def forward(p, i) -> tuple:  # the update's forward pass, with gradients: logprobs and entropy of prompts p, rows i
         with autocast(hp.dtype, device):
-            return shared_prefix_logprobs(policy, queries[p], responses[i], valid[i], pad_token_id, hp.temperature,
-                                          support, True, chunk=hp.logits_chunk)
+            return response_logprobs(policy, queries[p], query_mask[p], responses[i], valid[i], hp.temperature,
+                                     support, True, chunk=hp.logits_chunk)
 
     on_policy = hp.num_ppo_epochs == 1 and hp.num_mini_batches == 1
     fused = on_policy and hp.gradient_accumulation_steps == 1
@@ -469,8 +440,8 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
     with torch.no_grad(), autocast(hp.dtype, device):
         parts = []
         for q, r in chunks if with_policy or hp.kl_coef > 0 else []:  # models' (h [b, T, H], output layer)
-            hidden = functools.partial(shared_prefix_hidden, queries=queries[q], responses=responses[r], valid=valid[r],
-                                       pad_token_id=pad_token_id, chunk=hp.logits_chunk)
+            hidden = functools.partial(response_hidden, queries=queries[q], query_mask=query_mask[q],
+                                       responses=responses[r], valid=valid[r], chunk=hp.logits_chunk)
             models = [hidden(policy)] if with_policy else []
             if hp.kl_coef > 0:
                 ref_model, ref_context = reference(policy, ref_policy)  # ref_policy None: the policy, adapters off
@@ -997,83 +968,141 @@ def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
 CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {"head" or "packs": passed everywhere}
 
 
-def packed_inputs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int) -> tuple:
-    """The forward's inputs for rows of a left-padded prompt and a right-padded response of T tokens (input_ids and
-    attention_mask [B, S]), and index [B, T], the flat output position scoring each response token. Padded rows' real
-    tokens are packed, longest first, into rows as wide as the longest, position ids from 0 for each, no mask, no cache
-    (with either, transformers attends across them; checked once per model, alike on all processes); else as is."""
-    (B, S), n = input_ids.shape, attention_mask.sum(1)  # n [B]: each row's real tokens
-    checked, device = CHECKED.setdefault(model, {}), input_ids.device
-    if "packs" not in checked:  # another sequence, then one of the batch, positions restarting: is it as if alone?
-        seq = input_ids[n.argmax(), attention_mask[n.argmax()].bool()][None, :16]  # [1, m]
-        other = (seq + 1) % model.get_input_embeddings().num_embeddings  # differs at every position
-        last = {"logits_to_keep": 1} if model.get_output_embeddings() is not None else {}  # no [m, V] logits
-        hidden, m = [], seq.shape[1]  # the decoder's output at every position (a hook), not the logits
-        with torch.no_grad(), torch.autocast(device.type, enabled=False), torch.compiler.set_stance("force_eager"), \
-                model.get_decoder().register_forward_hook(lambda module, args, output: hidden.append(output[0])):
-            for x in (seq, torch.cat([other, seq], 1)):  # eager: no compiled graph for a check made once
-                model(input_ids=x, position_ids=torch.arange(m, device=device).repeat(1, x.shape[1] // m),
-                      use_cache=False, **last)
-        tol = max(1e-4, 2 * torch.finfo(hidden[0].dtype).eps)  # bf16 weights: a bf16 forward, 2 units of rounding
-        fails = not torch.allclose(hidden[1][:, m:], hidden[0], rtol=tol, atol=tol)
-        checked["packs"] = bool(global_sum(torch.tensor(float(fails), device=device)) == 0)
-    prompt = (n - attention_mask[:, S - T:].sum(1))[:, None]  # [B, 1]: real prompt tokens
-    if not checked["packs"] or int(n.min()) == S:
-        index = torch.arange(B, device=device)[:, None] * S + S - T - 1 + torch.arange(T, device=device)  # [B, T]
-        return dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask),
-                    use_cache=False), index
-    lengths, W, widths, base = n.tolist(), int(n.max()), [], [0] * B  # packed rows' widths; sequences' first places
-    for b in sorted(range(B), key=lambda b: -lengths[b]):  # first fit, longest first
-        r = next((r for r, w in enumerate(widths) if w + lengths[b] <= W), len(widths))
-        widths += [0] * (r == len(widths))
-        base[b], widths[r] = r * W + widths[r], widths[r] + lengths[b]
-    base = torch.tensor(base, device=device)
-    within = torch.arange(int(n.sum()), device=device) - torch.repeat_interleave(n.cumsum(0) - n, n)  # [N]
-    flat = torch.repeat_interleave(base, n) + within  # [N] each real token's packed position
-    ids = torch.zeros(len(widths) * W, dtype=torch.long, device=device)
-    ids, positions = ids.index_put((flat,), input_ids[attention_mask.bool()]), ids.index_put((flat,), within)
-    index = base[:, None] + (prompt - 1 + torch.arange(T, device=device)).clamp(max=n[:, None] - 1)  # [B, T]
-    return dict(input_ids=ids.view(-1, W), position_ids=positions.view(-1, W), use_cache=False), index
-
-
-def response_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int, chunk: int) -> tuple:
-    """(h [B, T, H], the output layer) where the logits score each row's last T tokens: one packed forward."""
-    inputs, index = packed_inputs(model, input_ids, attention_mask, T)
-    _, h, head = forward_to_head(model, inputs["input_ids"].shape[1], chunk, **inputs)
-    return h.flatten(0, 1)[index], head
-
-
-def forward_to_head(model, keep: int, chunk: int, **inputs) -> tuple:
-    """The model's forward and its last `keep` positions as (output, h, head), head(h) the logits: with chunk > 0, h the
-    decoder's output [B, keep, H] (a hook: no other layer's kept; the whole model runs, so FSDP gathers) and the
-    output layer; with chunk 0, or logits that are not that (a soft-cap; checked once, said once), the logits."""
-    head, inputs = model.get_output_embeddings(), {"use_cache": "cache" in inputs, **inputs}  # a cache if asked for
+def packed_inputs(model, queries: torch.Tensor, query_mask: torch.Tensor, responses: torch.Tensor,
+                  valid: torch.Tensor) -> tuple:
+    """The forward's inputs for P prompts (queries and query_mask [P, Lq], left-padded) and their k = B / P responses
+    each (responses and valid [B, T], right-padded), and index [B, T], the flat output position that scores each
+    response token: pack_segments' rows if the model keeps its segments apart, else padded rows, each prompt k times.
+    Checked once per model, one answer for all processes: a sequence of the batch packed after another group (each
+    token id + 1) and after a sibling response must give, where its response is scored, the decoder output of its
+    forward alone (within 1e-4, or 2 units of rounding for 16-bit weights), computed eagerly, no [n, V] logits made."""
+    (P, Lq), (B, T), device = queries.shape, responses.shape, queries.device
     checked = CHECKED.setdefault(model, {})
-    if chunk > 0 and head is not None and checked.get("head", True):
-        hidden = []  # the decoder's output, from a hook removed when the forward ends
-        with model.get_decoder().register_forward_hook(lambda module, args, output: hidden.append(output[0])):
-            out = model(**inputs, logits_to_keep=1)
-        h = hidden[0][:, -keep:]  # [B, keep, H]
-        if "head" not in checked:
-            with torch.no_grad():
-                ok = getattr(model.config, "final_logit_softcapping", None) is None and \
-                    torch.allclose(head(h[:, -1:]).float(), out.logits.float(), rtol=1e-4, atol=1e-5)
-                checked["head"] = bool(global_sum(torch.tensor(float(not ok), device=h.device)) == 0)  # everywhere
-        if checked["head"]:
-            return out, h, head
-        print_once(f"{type(model).__name__}'s logits are not its output layer on its last hidden state: the logprob "
-                   "passes make the whole [B, T, V] logits (--logits-chunk does not apply)")
-    out = model(**inputs, logits_to_keep=keep)
-    return out, out.logits[:, -keep:], torch.nn.Identity()
+    if "packs" not in checked:
+        seq = torch.cat([queries[query_mask.bool()], responses[valid]]).repeat(16)[None, :16]  # [1, 16]
+        V, hidden = model.get_input_embeddings().num_embeddings, []
+        last = {"logits_to_keep": 1} if model.get_output_embeddings() is not None else {}
+        other = (seq + 1) % V  # differs at every position
+        replies = torch.cat([other[:, 6:], other[:, 6:].flip(1), (seq[:, 6:] + 2) % V, seq[:, 6:]])  # [4, 10]: k = 2
+        inputs, index = pack_segments(model, torch.cat([other[:, :6], seq[:, :6]]), torch.ones_like(replies[:2, :6]),
+                                      replies, torch.ones_like(replies, dtype=torch.bool), width=52)  # one row
+        try:
+            with torch.no_grad(), torch.autocast(device.type, enabled=False), torch.compiler.set_stance(
+                    "force_eager"), model.get_decoder().register_forward_hook(lambda m, a, out: hidden.append(out[0])):
+                for x in (dict(input_ids=seq, use_cache=False), inputs):  # eager: no graph for a check made once
+                    model(**x, **last)
+            tol = max(1e-4, 2 * torch.finfo(hidden[0].dtype).eps)  # bf16 weights: a bf16 forward, 2 units of rounding
+            fails = not torch.allclose(hidden[1].flatten(0, 1)[index[3]], hidden[0][0, 5:15], rtol=tol, atol=tol)
+        except Exception:  # a forward that takes no 4D mask, or no dict of them: such a model runs padded
+            fails = True
+        checked["packs"] = bool(global_sum(torch.tensor(float(fails), device=device)) == 0)
+    if checked["packs"]:
+        return pack_segments(model, queries, query_mask, responses, valid)
+    mask = torch.cat([query_mask.repeat_interleave(B // P, 0), valid], 1).long()  # [B, Lq + T]
+    index = torch.arange(B, device=device)[:, None] * (Lq + T) + Lq - 1 + torch.arange(T, device=device)  # [B, T]
+    return dict(input_ids=torch.cat([queries.repeat_interleave(B // P, 0), responses], 1), attention_mask=mask,
+                position_ids=position_ids_from(mask), use_cache=False), index
+
+
+def pack_segments(model, queries: torch.Tensor, query_mask: torch.Tensor, responses: torch.Tensor,
+                  valid: torch.Tensor, width: int | None = None) -> tuple:
+    """packed_inputs' packed layout. Each group, its prompt's real tokens once and then its k responses', is one
+    segment; a response's position ids go on from its prompt's end, and a 4D mask lets a token see its group's prompt
+    and its own response's earlier tokens only (within a sliding window, per layer type). Segments go, longest first,
+    into rows of `width`, or of the width (1-3x the longest, in eighths) that costs least: rows x width x (3 x hidden
+    size + width), a position's layers and then its attention over the row (first fit; fitted on this CPU, where a
+    masked attention costs twice its FLOPs: docs/benchmarks.md)."""
+    (P, Lq), (B, T), device = queries.shape, responses.shape, queries.device
+    k, n_q, n_r, qm = B // P, query_mask.sum(1), valid.sum(1), query_mask.bool()  # n_q [P], n_r [B]: real tokens
+    lengths, per_position = (n_q + n_r.view(P, k).sum(1)).tolist(), 3 * model.config.hidden_size
+
+    def first_fit(W: int) -> tuple:  # (cost, W, rows, each segment's first flat position), longest first
+        widths, base = [], [0] * P
+        for p in sorted(range(P), key=lambda p: -lengths[p]):
+            r = next((r for r, w in enumerate(widths) if w + lengths[p] <= W), len(widths))
+            widths += [0] * (r == len(widths))
+            base[p], widths[r] = r * W + widths[r], widths[r] + lengths[p]
+        return len(widths) * W * (per_position + W), W, len(widths), base
+
+    widths = [width] if width else {max(lengths) * (8 + i) // 8 for i in range(17)}
+    _, W, rows, base = min(first_fit(w) for w in widths)
+    base, t = torch.tensor(base, device=device), torch.arange(max(Lq, T, B), device=device)  # base [P]
+    q_pos = t[:Lq] - (Lq - n_q)[:, None]  # [P, Lq] the prompts' position ids (negative on padding)
+    r_pos = n_q.repeat_interleave(k)[:, None] + t[:T]  # [B, T] the responses', going on from the prompt's end
+    before = (n_r.view(P, k).cumsum(1) - n_r.view(P, k)).flatten()  # [B] the group's earlier responses' tokens
+    r_flat = (base.repeat_interleave(k) + before)[:, None] + r_pos  # [B, T] each response token's flat position
+    q, r = ((base[:, None] + q_pos)[qm],), (r_flat[valid],)
+    at = lambda fill, x, y: torch.full((rows * W,), fill, device=device).index_put(q, x[qm]).index_put(r, y[valid])
+    ids, positions = at(0, queries, responses), at(0, q_pos, r_pos)
+    # each token's part: group p's prompt p (k + 1), its response j p (k + 1) + 1 + j (= b + p + 1), padding -1
+    part = at(-1, t[:P, None].expand(P, Lq) * (k + 1), (t[:B] + t[:B] // k + 1)[:, None].expand(B, T))
+    part, positions = part.view(rows, W, 1), positions.view(rows, W, 1)  # queries along dim 1, keys along dim 2
+    seen = (part // (k + 1) == part.mT // (k + 1)) & ((part.mT % (k + 1) == 0) | (part == part.mT))  # [R, W, W]
+    mask = seen & torch.ones(W, W, dtype=torch.bool, device=device).tril()  # its group's prompt, its own response
+    window = getattr(model.config, "sliding_window", None) or rows * W  # query position - key position < window
+    windowed = mask & (positions - positions.mT < window)
+    if model.config._attn_implementation != "sdpa":  # eager attention adds the mask to its scores
+        mask, windowed = (torch.zeros(m.shape, device=device).masked_fill(~m, torch.finfo(torch.float32).min)
+                          for m in (mask, windowed))
+    types = getattr(model.config, "layer_types", None)  # models with one mask per layer type take a dict of them
+    masks = {kind: (windowed if "sliding" in kind else mask)[:, None] for kind in types} if types else windowed[:, None]
+    index = torch.cat([(base + n_q - 1).repeat_interleave(k)[:, None], r_flat[:, :-1]], 1)  # [B, T]
+    return dict(input_ids=ids.view(rows, W), position_ids=positions.view(rows, W), attention_mask=masks,
+                use_cache=False), index.clamp(max=rows * W - 1)
+
+
+def response_hidden(model, queries, query_mask, responses: torch.Tensor, valid: torch.Tensor, chunk: int) -> tuple:
+    """(h [N, H], the output layer), or (logits [N, V], Identity), where the N valid response tokens are scored."""
+    inputs, index = packed_inputs(model, queries, query_mask, responses, valid)
+    return forward_to_head(model, index[valid], chunk, **inputs)
+
+
+def response_logprobs(policy, queries, query_mask, responses: torch.Tensor, valid: torch.Tensor, temperature: float,
+                      support: tuple = (0, 1.0, 0.0), with_entropy: bool = False, entropy_grad: bool = False,
+                      chunk: int = 0) -> tuple:
+    """token_logprobs' logprobs and entropy [B, T] of k = B / P responses per prompt (0 on padding), one forward
+    (packed_inputs) and the output layer only where a response token is scored, `chunk` logits at a time."""
+    h, head = response_hidden(policy, queries, query_mask, responses, valid, chunk)
+    return over_logits([head], [h], responses, lambda x, t: token_logprobs(x, t, temperature, support, with_entropy,
+                                                                              entropy_grad), chunk, valid)
+
+
+def forward_to_head(model, index: torch.Tensor, chunk: int, **inputs) -> tuple:
+    """(h, head) at the flat output positions `index` [*] of the model's forward, head(h) the logits: a forward hook
+    narrows the decoder's output to them before the model's own head runs, so no logits are made elsewhere. With
+    chunk > 0, h [*, H] is that output and head the output layer (logits at one position: the whole model runs, so
+    FSDP gathers); with chunk 0, or logits that are not that layer on it (a soft-cap; checked once, said once), h
+    [*, V] is the model's logits, head Identity."""
+    head, checked, hidden = model.get_output_embeddings(), CHECKED.setdefault(model, {}), []
+    plain = chunk > 0 and head is not None and checked.get("head", True)
+
+    def narrow(module, args, output):  # the decoder's output [R, W, H] -> [1, N, H], as the model's head will see it
+        output.last_hidden_state = output[0].flatten(0, 1)[index.flatten()][None]
+        hidden.append(output.last_hidden_state)
+
+    with model.get_decoder().register_forward_hook(narrow):
+        logits = model(**inputs, logits_to_keep=int(plain)).logits  # [1, 1] or [1, N] positions
+    if plain and "head" not in checked:
+        with torch.no_grad():
+            ok = getattr(model.config, "final_logit_softcapping", None) is None and \
+                torch.allclose(head(hidden[0][:, -1:]).float(), logits.float(), rtol=1e-4, atol=1e-5)
+            checked["head"] = bool(global_sum(torch.tensor(float(not ok), device=logits.device)) == 0)  # everywhere
+        if not checked["head"]:
+            print_once(f"{type(model).__name__}'s logits are not its output layer on its last hidden state: the "
+                       "logprob passes make the scored positions' logits at once (--logits-chunk does not apply)")
+            return forward_to_head(model, index, chunk, **inputs)
+    h = hidden[0] if plain else logits  # [1, N, H] or [1, N, V]
+    return h.view(*index.shape, -1), head if plain else torch.nn.Identity()
 
 
 def over_logits(heads: list, hs: list, tokens: torch.Tensor, fn: Callable, chunk: int, mask=None) -> tuple:
     """fn(*logits, tokens [B, T]) -> [B, T] tensors (or None), logits = head(h [B, T, *]), ~`chunk` a model at a time,
-    recomputed in backward if > 1 chunk, at once if chunk 0 or logits (Identity); mask [B, T]: only there, 0 off it."""
+    recomputed in backward if > 1 chunk, at once if chunk 0 or logits (Identity); mask [B, T]: hs [N, *] are given at
+    its N positions alone, and the outputs are 0 off them."""
     B, T = tokens.shape
     if mask is not None:  # the masked positions alone, [1, N], scattered back
         keep = mask.flatten().nonzero()[:, 0]
-        outs = over_logits(heads, [h.flatten(0, 1)[keep][None] for h in hs], tokens.flatten()[keep][None], fn, chunk)
+        outs = over_logits(heads, [h[None] for h in hs], tokens.flatten()[keep][None], fn, chunk)
         return tuple(None if x is None else x.new_zeros(B * T).index_put((keep,), x[0]).view(B, T) for x in outs)
     whole = chunk <= 0 or any(isinstance(head, torch.nn.Identity) for head in heads)
     rows = B * T if whole else max(1, chunk // heads[0].weight.shape[0])

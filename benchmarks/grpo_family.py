@@ -128,7 +128,8 @@ def sampling(args) -> None:
         with rloo.autocast(dtype, torch.device("cpu")), torch.no_grad():
             responses, lengths, _, sampler, _ = rloo.generate(model, tokenizer, queries, sample, [])
             valid = torch.arange(responses.shape[1])[None] < lengths[:, None]
-            full, _ = rloo.shared_prefix_logprobs(model, queries, responses, valid, tokenizer.pad_token_id, 1.0)
+            query_mask = (queries != tokenizer.pad_token_id).cumsum(1) > 0
+            full, _ = rloo.response_logprobs(model, queries, query_mask, responses, valid, 1.0)
         gap = (full - sampler).abs()[valid]
         print(f"| {dtype} | {mean:.2e} | {largest:.2e} | {gap.mean():.3f} | {gap.max():.3f} |", flush=True)
 

@@ -103,7 +103,8 @@ def saved_mb(art: Path, model: str) -> dict:
     Lq = max(len(ppo.render_prompt(tokenizer, p)) for p in prompts[:B])
     torch.manual_seed(0)
     ids = torch.randint(3, 1000, (B, Lq + T))
-    mask = torch.ones_like(ids)
+    queries, query_mask, responses = ids[:, :Lq], torch.ones_like(ids[:, :Lq]), ids[:, Lq:]
+    valid = torch.ones_like(responses, dtype=torch.bool)
     policy = ppo.fp32_output_layer(AutoModelForCausalLM.from_pretrained(art / "policy"))
     value = AutoModelForTokenClassification.from_pretrained(art / "policy", num_labels=1)
 
@@ -119,9 +120,9 @@ def saved_mb(art: Path, model: str) -> dict:
         return sum(seen.values()) / 2**20
 
     return {f"saved_policy_{name}_mb": saved(lambda c=chunk: ppo.response_logprobs(
-        policy, ids, mask, ids[:, Lq:], 1.0, with_entropy=True, chunk=c)[0].sum())
+        policy, queries, query_mask, responses, valid, 1.0, with_entropy=True, chunk=c)[0].sum())
         for name, chunk in (("chunked", 2**24), ("whole", 0))} | {
-        "saved_value_mb": saved(lambda: ppo.response_values(value, ids, mask, T).sum())}
+        "saved_value_mb": saved(lambda: ppo.response_values(value, queries, query_mask, responses, valid).sum())}
 
 
 def ours(art: Path, model: str, algo: str, chunk: int, ckpt: bool) -> dict:

@@ -60,7 +60,7 @@ def main(algo: str, out: str, fsdp: bool, lora: bool) -> None:
                                  hp=rloo.RLOOHParams(kl_coef=0.1), **common)
     weights = {f"{i}.{k}": v for i, m in enumerate(models) for k, v in ppo.full_state_dict(m).items()}
     weights["kl"] = ppo.average_metrics({"kl": metrics["objective/kl"]}, device)["kl"]  # the KL to the reference
-    checked = (ppo if algo == "ppo" else rloo).CHECKED  # the per-model checks: "packs" made where rows were packed
+    checked = (ppo if algo == "ppo" else rloo).CHECKED  # the per-model checks: "packs" True where the layout packed
     weights["packed"] = any(checks.get("packs", False) for checks in checked.values())
     if rank == 0:
         torch.save(weights, out)

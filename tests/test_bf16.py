@@ -60,11 +60,8 @@ def test_bf16_logprobs_are_the_fp32_softmax_of_the_hidden_states(script):
     attention_mask = torch.cat([query_mask.repeat_interleave(k, 0), torch.ones_like(responses)], 1)
     expected = fp32_logprobs_of_bf16_hidden(policy, input_ids, attention_mask, responses)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        if script is ppo:
-            logprobs, _ = ppo.response_logprobs(policy, input_ids, attention_mask, responses, 1.0)
-        else:
-            logprobs, _ = rloo.shared_prefix_logprobs(policy, queries, responses, torch.ones_like(responses).bool(),
-                                                      tokenizer.pad_token_id, 1.0)
+        logprobs, _ = script.response_logprobs(policy, queries, query_mask, responses,
+                                               torch.ones_like(responses, dtype=torch.bool), 1.0)
     assert expected.abs().max() > 1  # peaked enough for bf16 logits to be visibly rounded
     torch.testing.assert_close(logprobs, expected, rtol=0, atol=1e-5)
 

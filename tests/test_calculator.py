@@ -175,11 +175,12 @@ def test_tool_tokens_get_no_gradient_and_no_kl(tokenizer):
     metrics = ppo.ppo_step(policy, value, ref, optimizer, queries, responses, torch.tensor([1.0, 1.0, 0.0, 0.0]),
                            masks, hp=hp, pad_token_id=tokenizer.pad_token_id)  # as the loop calls it: no EOS id
     handle.remove()
-    (grad,) = grads  # [rows, width, V]: the logits of the forward, packed or not (packed_inputs)
+    (grad,) = grads  # [1, N, V]: the logits at the N valid response tokens' scoring positions, row-major
     valid = ppo.response_valid_mask(responses, tokenizer.pad_token_id, None, masks)
-    attention = torch.cat([(queries != tokenizer.pad_token_id).cumsum(1) > 0, valid], 1).long()
-    index = ppo.packed_inputs(policy, torch.cat([queries, responses], 1), attention, responses.shape[1])[1]
-    per_position = grad.flatten(0, 1)[index].abs().sum(-1)  # [B, T]: gradient reaching the logits of each token
+    query_mask = (queries != tokenizer.pad_token_id).cumsum(1) > 0
+    assert grad.shape[:2] == (1, int(valid.sum()))
+    per_position = torch.zeros(responses.shape)  # [B, T]: gradient reaching the logits of each token
+    per_position[valid] = grad[0].abs().sum(-1)
     # where the tool's tokens are, found from the text (<out> ... </out>), not from the masks under test
     in_out = (responses == tokenizer.convert_tokens_to_ids("<out>")).cumsum(1) \
         - (responses == tokenizer.convert_tokens_to_ids("</out>")).cumsum(1)
@@ -190,9 +191,8 @@ def test_tool_tokens_get_no_gradient_and_no_kl(tokenizer):
     assert (per_position[model] > 0).all()
     # the KL in the metrics counts only the model's tokens
     with torch.no_grad():
-        input_ids = torch.cat([queries, responses], 1)
-        lp, _ = ppo.response_logprobs(before, input_ids, attention, responses, 1.0)
-        rp, _ = ppo.response_logprobs(ref, input_ids, attention, responses, 1.0)
+        lp, _ = ppo.response_logprobs(before, queries, query_mask, responses, valid, 1.0)
+        rp, _ = ppo.response_logprobs(ref, queries, query_mask, responses, valid, 1.0)
     expected_kl = ((lp - rp) * masks).sum(1).mean().item()
     assert metrics["objective/kl"] == pytest.approx(expected_kl, rel=1e-4, abs=1e-5)
     assert metrics["val/response_length"] == pytest.approx(sum(len(ep.ids) for ep in episodes) / 4)

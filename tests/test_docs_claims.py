@@ -79,7 +79,8 @@ def test_per_token_loss_agrees_with_the_sequence_loss_in_direction_and_differs_b
         for p, b in zip(policy.parameters(), before):
             p.copy_(b)
     valid = responses != pad
-    logprobs, _ = rloo.shared_prefix_logprobs(policy, queries, responses, valid, pad, 1.0)
+    query_mask = (queries != pad).cumsum(1) > 0
+    logprobs, _ = rloo.response_logprobs(policy, queries, query_mask, responses, valid, 1.0)
     advantages, _ = rloo.group_advantages(rewards, k, "leave_one_out", "none")
     policy.zero_grad()
     sequence_level_loss(logprobs, logprobs.detach(), valid, advantages).backward()

@@ -16,8 +16,10 @@ import rloo
 from conftest import ROOT, assert_one_line_error, run_main
 
 
-def test_shared_prefix_logprobs_of_a_model_without_a_cache_object_see_the_prompt():
-    """Such a model ignores `cache=`, so the response pass must carry the prompt itself (it was 0.27 nats off)."""
+def test_response_logprobs_of_a_model_without_a_cache_object_see_the_prompt():
+    """Such a model (its forward takes `past_key_values`, not a cache object) forwarded with each prompt once and its
+    responses packed after it scores the responses as if each prompt were forwarded k times: they see the prompt (a
+    response pass that lost it was 0.27 nats off)."""
     tokenizer = ppo.build_tokenizer()
     torch.manual_seed(0)
     model = PastKeyValuesLM(ppo.build_tiny_model(tokenizer).config).eval()
@@ -25,11 +27,11 @@ def test_shared_prefix_logprobs_of_a_model_without_a_cache_object_see_the_prompt
     responses = torch.randint(4, len(tokenizer), (4, 5))
     valid = torch.ones_like(responses, dtype=torch.bool)
     with torch.no_grad():
-        shared = rloo.shared_prefix_logprobs(model, queries, responses, valid, tokenizer.pad_token_id, 1.0)[0]
-        full_queries = queries.repeat_interleave(2, 0)
-        mask = torch.cat([(full_queries != tokenizer.pad_token_id).cumsum(1) > 0, valid], 1).long()
-        full = ppo.response_logprobs(model, torch.cat([full_queries, responses], 1), mask, responses, 1.0)[0]
-    torch.testing.assert_close(shared, full, atol=1e-5, rtol=0)
+        query_mask = (queries != tokenizer.pad_token_id).cumsum(1) > 0
+        once = rloo.response_logprobs(model, queries, query_mask, responses, valid, 1.0)[0]
+        full_queries, full_mask = queries.repeat_interleave(2, 0), query_mask.repeat_interleave(2, 0)
+        full = ppo.response_logprobs(model, full_queries, full_mask, responses, valid, 1.0)[0]
+    torch.testing.assert_close(once, full, atol=1e-5, rtol=0)
 
 
 def test_generate_samples_what_the_flags_say_not_the_models_generation_config(capsys):

@@ -4,8 +4,8 @@ filters.
 Each switch test runs one rloo_step with plain SGD (lr 1, no gradient clipping), so the parameter change is minus
 the step's gradient, and compares it with the gradient of TRL's loss for that setting, written out here from TRL's
 `_compute_loss` and `_generate_and_score_completions` (GRPOTrainer, TRL 1.x): the full prompt + completion forward
-(no shared prefix), the completion mask up to the first EOS, the advantages of the whole batch, and the loss types
-as TRL aggregates them. Nothing of rloo.py's math is called for the expected side."""
+(each prompt repeated per completion, nothing packed), the completion mask up to the first EOS, the advantages of the
+whole batch, and the loss types as TRL aggregates them. Nothing of rloo.py's math is called for the expected side."""
 
 import copy
 import json
@@ -270,9 +270,9 @@ def test_filtered_sampling_is_on_policy():
     responses, lengths, _, sampler, _ = rloo.generate(model, tokenizer, queries, sample, [])
     valid = torch.arange(responses.shape[1])[None] < lengths[:, None]
     with torch.no_grad():
-        exact, _ = rloo.shared_prefix_logprobs(model, queries[::8], responses, valid, tokenizer.pad_token_id, 1.0,
-                                               (3, 0.9, 0.0))
-        full, _ = rloo.shared_prefix_logprobs(model, queries[::8], responses, valid, tokenizer.pad_token_id, 1.0)
+        query_mask = (queries[::8] != tokenizer.pad_token_id).cumsum(1) > 0
+        exact, _ = rloo.response_logprobs(model, queries[::8], query_mask, responses, valid, 1.0, (3, 0.9, 0.0))
+        full, _ = rloo.response_logprobs(model, queries[::8], query_mask, responses, valid, 1.0)
     assert (exact - sampler)[valid].abs().max() < 1e-5
     assert (full - sampler)[valid].abs().max() > 0.1
 

@@ -89,8 +89,13 @@ def test_sft_step_learns_and_ignores_the_prompt():
     handle = policy.lm_head.register_forward_hook(lambda m, i, o: o.register_hook(grads.append) and None)
     first = interleave.sft_step(policy, optimizer, **batch, logits_chunk=0)["loss"]  # whole logits: hooked
     handle.remove()
+    # grads[0] [1, N, V]: the logits at the N positions with a label next, row-major; mapped back to [B, L - 1]
+    labelled = batch["labels"][:, 1:] != -100
+    assert grads[0].shape[:2] == (1, int(labelled.sum()))
+    per_position = torch.zeros(labelled.shape)
+    per_position[labelled] = grads[0][0].abs().sum(-1)
     # logits at positions 0..3 predict prompt tokens: no gradient; position 4 predicts the answer, 5 the EOS
-    assert (grads[0][:, :4].abs().sum(-1) == 0).all() and (grads[0][:, 4:6].abs().sum(-1) > 0).all()
+    assert (per_position[:, :4] == 0).all() and (per_position[:, 4:6] > 0).all()
     for _ in range(30):
         last = interleave.sft_step(policy, optimizer, **batch)["loss"]
     assert math.isfinite(first) and last < first / 4

@@ -65,12 +65,13 @@ def test_chunked_logprobs_entropy_and_gradients_equal_the_whole_logits(dtype, su
             if "lora_B" in name:
                 torch.nn.init.normal_(param, std=0.5)
     ids = torch.randint(2, V, (3, 9))
-    mask = torch.ones_like(ids)
+    queries, query_mask, valid = ids[:, :-5], torch.ones_like(ids[:, :-5]), torch.ones_like(ids[:, -5:]).bool()
     results = []
     for chunk in (0, 5 * V):  # 0: the whole [B, T, V]; 5 x V: 5 positions a chunk, 3 chunks for 15 positions
         model.zero_grad()
         with ppo.autocast(dtype, torch.device("cpu")):
-            logprobs, entropy = ppo.response_logprobs(model, ids, mask, ids[:, -5:], 0.7, support, True, True, chunk)
+            logprobs, entropy = ppo.response_logprobs(model, queries, query_mask, ids[:, -5:], valid, 0.7, support,
+                                                      True, True, chunk)
         (logprobs.sum() + entropy.sum()).backward()
         grads = [p.grad.clone() for p in model.parameters() if p.requires_grad]
         results.append((logprobs.detach(), entropy.detach(), grads))
@@ -81,17 +82,19 @@ def test_chunked_logprobs_entropy_and_gradients_equal_the_whole_logits(dtype, su
         assert (a - b).norm() <= tol * b.norm() + 1e-7
     if lora:
         with model.disable_adapter():  # the reference: adapters off, chunked as well
-            ref0 = ppo.response_logprobs(model, ids, mask, ids[:, -5:], 0.7, support)[0]
-            ref1 = ppo.response_logprobs(model, ids, mask, ids[:, -5:], 0.7, support, chunk=5 * V)[0]
+            ref0 = ppo.response_logprobs(model, queries, query_mask, ids[:, -5:], valid, 0.7, support)[0]
+            ref1 = ppo.response_logprobs(model, queries, query_mask, ids[:, -5:], valid, 0.7, support, chunk=5 * V)[0]
         assert (ref1 - ref0).abs().max() < tol and not torch.equal(ref0, lp0)
 
 
-def test_shared_prefix_logprobs_chunked_equal_whole():
+def test_each_prompt_once_logprobs_chunked_equal_whole():
+    """rloo.py's layout (each prompt once, its k responses packed after it): chunked logits equal the whole ones."""
     model = large_vocab_model()
     queries, responses = torch.randint(2, V, (2, 4)), torch.randint(2, V, (6, 5))
-    valid = torch.ones(6, 5, dtype=torch.bool)
-    whole = rloo.shared_prefix_logprobs(model, queries, responses, valid, 0, 0.7, (0, 0.9, 0.0), True)
-    chunked = rloo.shared_prefix_logprobs(model, queries, responses, valid, 0, 0.7, (0, 0.9, 0.0), True, chunk=3 * V)
+    query_mask, valid = torch.ones_like(queries, dtype=torch.bool), torch.ones(6, 5, dtype=torch.bool)
+    whole = rloo.response_logprobs(model, queries, query_mask, responses, valid, 0.7, (0, 0.9, 0.0), True)
+    chunked = rloo.response_logprobs(model, queries, query_mask, responses, valid, 0.7, (0, 0.9, 0.0), True,
+                                     chunk=3 * V)
     for a, b in zip(whole, chunked):
         assert (a - b).abs().max() < 1e-5
 
@@ -185,8 +188,8 @@ def test_no_grad_logprob_passes_keep_no_state_of_every_layer(script):
     """A model whose layers x hidden size is its vocabulary's size: the no-grad logprob pass (reference, old logprobs)
     holds no hidden state of every layer, and no key/value cache it does not need, so its peak live bytes do not grow
     with depth: 16 layers cost what 4 cost, within 2 hidden states [b, S, H] (with every layer's states kept, 12 more
-    layers would add 12). rloo.py's shared prefix keeps its cache (the prompts' keys and values, repeated k times, and
-    the responses'), which grows by 12 layers' keys and values."""
+    layers would add 12). rloo.py's layout (each prompt once, its k responses packed after it) keeps no cache
+    either."""
     H, b, Lq, T = 256, 4, 32, 32
     peaks = []
     for layers in (4, 16):
@@ -195,17 +198,15 @@ def test_no_grad_logprob_passes_keep_no_state_of_every_layer(script):
                              num_attention_heads=4, num_key_value_heads=4, pad_token_id=0)
         model = ppo.fp32_output_layer(AutoModelForCausalLM.from_config(config)).eval()
         queries, responses = torch.randint(2, 4096, (b, Lq)), torch.randint(2, 4096, (b, T))
-        ids, mask = torch.cat([queries, responses], 1), torch.ones(b, Lq + T, dtype=torch.long)
+        query_mask, valid = torch.ones(b, Lq, dtype=torch.long), torch.ones(b, T, dtype=torch.bool)
         known = {x.untyped_storage().data_ptr() for x in [*model.parameters(), *model.buffers(), queries, responses,
-                                                          ids, mask]}
+                                                          query_mask, valid]}
         mode = LiveBytes(known)
         with torch.no_grad(), mode:
             if script == "ppo":
-                ppo.response_logprobs(model, ids, mask, responses, 1.0, chunk=16 * 4096)
+                ppo.response_logprobs(model, queries, query_mask, responses, valid, 1.0, chunk=16 * 4096)
             else:
-                rloo.shared_prefix_logprobs(model, queries[::2], responses, mask[:, Lq:].bool(), 0, 1.0,
-                                            chunk=16 * 4096)
+                rloo.response_logprobs(model, queries[::2], query_mask[::2], responses, valid, 1.0, chunk=16 * 4096)
         peaks.append(mode.peak)
     state = b * (Lq + T) * H * 4  # one hidden state [b, S, H] in fp32
-    cache = 0 if script == "ppo" else 12 * 2 * b * (Lq + T) * H * 4  # 12 more layers' keys and values
-    assert peaks[1] - peaks[0] <= cache + 2 * state, (peaks, state)
+    assert peaks[1] - peaks[0] <= 2 * state, (peaks, state)

@@ -38,9 +38,8 @@ def lora_models(seed: int = 0):
 
 
 def logprobs(model, tokenizer, queries, responses):
-    input_ids = torch.cat([queries, responses], 1)
-    attention = torch.cat([(queries != tokenizer.pad_token_id).cumsum(1) > 0, torch.ones_like(responses).bool()], 1)
-    return ppo.response_logprobs(model, input_ids, attention.long(), responses, 1.0)[0]
+    query_mask = (queries != tokenizer.pad_token_id).cumsum(1) > 0
+    return ppo.response_logprobs(model, queries, query_mask, responses, torch.ones_like(responses).bool(), 1.0)[0]
 
 
 def test_reference_logprobs_are_the_base_models_with_the_adapters_off():
@@ -213,16 +212,18 @@ def test_a_run_with_lora_and_gradient_checkpointing(script, tmp_path, tiny_model
     assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").exists()
 
 
-def test_rloo_logprobs_with_checkpointed_layers_equal_the_shared_prefix_ones():
+def test_rloo_logprobs_with_checkpointed_layers_equal_the_plain_ones():
+    """Each prompt once, its k responses packed after it: with gradient checkpointing as without."""
     tokenizer = ppo.build_tokenizer()
     torch.manual_seed(0)
     model = ppo.build_tiny_model(tokenizer)
     queries, responses = batch(tokenizer, n=8)
     queries = queries[:2]  # 2 prompts x k = 4 responses
     valid = ppo.response_valid_mask(responses, tokenizer.pad_token_id, tokenizer.eos_token_id)
-    shared = rloo.shared_prefix_logprobs(model, queries, responses, valid, tokenizer.pad_token_id, 1.0)[0]
+    query_mask = (queries != tokenizer.pad_token_id).cumsum(1) > 0
+    plain = rloo.response_logprobs(model, queries, query_mask, responses, valid, 1.0)[0]
     rloo.with_lora(model, rloo.MemoryArgs(gradient_checkpointing=True))
-    full = rloo.shared_prefix_logprobs(model, queries, responses, valid, tokenizer.pad_token_id, 1.0)[0]
-    shared.sum().backward()  # both differentiable
-    full.sum().backward()
-    torch.testing.assert_close(full[valid], shared[valid], atol=1e-5, rtol=0)
+    checkpointed = rloo.response_logprobs(model, queries, query_mask, responses, valid, 1.0)[0]
+    plain.sum().backward()  # both differentiable
+    checkpointed.sum().backward()
+    torch.testing.assert_close(checkpointed[valid], plain[valid], atol=1e-5, rtol=0)

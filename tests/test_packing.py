@@ -1,7 +1,10 @@
-"""No pass over padding: the update's forwards pack each row's real tokens (packed_inputs), and the result equals the
-padded forward's within float noise: logprobs of several architectures (a sliding window too), and whole ppo_step and
-rloo_step updates (every loss type, LoRA, gradient checkpointing) in their losses and in the weights they leave.
-(FSDP2 with 2 processes: tests/test_distributed.py's one-step test runs the packed path against 1 process.)"""
+"""Each prompt once, its responses packed after it: the update's forwards pack each group's real tokens into one
+segment (packed_inputs, pack_segments), and the result equals the padded forward's within float noise: logprobs,
+entropies and values of several architectures (sliding windows, Gemma 2's soft-capped logits and eager attention),
+at every row width, with a group whose responses are all empty and one whose prompt fills its row; and whole
+ppo_step and rloo_step updates (every loss type, LoRA, gradient checkpointing) in their losses and in the weights
+they leave. (FSDP2 with 2 processes: tests/test_distributed.py's one-step test runs the packed path against 1
+process.)"""
 
 import contextlib
 import copy
@@ -13,6 +16,8 @@ from transformers import (
     BloomForCausalLM,
     FalconConfig,
     FalconForCausalLM,
+    Gemma2Config,
+    Gemma2ForCausalLM,
     GPT2Config,
     GPT2LMHeadModel,
     Lfm2Config,
@@ -31,8 +36,8 @@ import rloo
 
 @contextlib.contextmanager
 def padded(script, *models):
-    """The models' forwards in `script` (the module ppo or rloo) as before packing: their "packs" check set to False
-    for the while."""
+    """The models' forwards in `script` (the module ppo or rloo) padded, as for a model that fails the packing check:
+    their "packs" check set to False for the while."""
     checks = [script.CHECKED.setdefault(m, {}) for m in dict.fromkeys(models) if m is not None]
     saved = [checked.get("packs") for checked in checks]
     for checked in checks:
@@ -48,8 +53,7 @@ def padded(script, *models):
 
 def uneven_batch(vocab: int, k: int = 1, prompts: int = 6, width: int = 6, seed: int = 0) -> tuple:
     """Left-padded queries [P * k, width] and right-padded responses [P * k, 8] of different lengths (one the
-    longest, two of one token): padded enough that packing computes fewer positions (rloo.py: than the shared prefix
-    too), and rows share a packed row."""
+    longest, two of one token), so that rows hold several groups."""
     generator = torch.Generator().manual_seed(seed)
     lengths = torch.randint(1, 8, (prompts * k,), generator=generator)
     lengths[0], lengths[1:3] = 8, 1
@@ -69,36 +73,76 @@ ARCHITECTURES = {
     "mistral, a window of 4": lambda v: MistralForCausalLM(MistralConfig(
         vocab_size=v, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=1, sliding_window=4)),
+    "gemma2, a window of 4 every other layer": lambda v: Gemma2ForCausalLM(Gemma2Config(
+        vocab_size=v, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, sliding_window=4)),  # soft-capped logits, eager attention
 }
 
 
+@pytest.mark.parametrize("k", [1, 3])
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_packed_logprobs_equal_the_padded_forward(arch):
+def test_packed_logprobs_equal_the_padded_forward_at_every_width(arch, k):
+    """Groups of k responses, the first group's all empty; at the narrowest width the longest group fills its row."""
     torch.manual_seed(0)
     model = ppo.fp32_output_layer(ARCHITECTURES[arch](20).eval())
-    queries, responses = uneven_batch(20)
-    ids = torch.cat([queries, responses], 1)
-    mask = torch.cat([(queries != 0).cumsum(1) > 0, responses != 0], 1).long()
+    queries, responses = uneven_batch(20, k, prompts=5, width=10)
+    queries, responses[:k] = queries[::k], 0  # [P, 10]; the first group: no response tokens at all
+    query_mask, valid = (queries != 0).cumsum(1) > 0, responses != 0
     value = ppo.token_classifier_from(model, 1, "--model", "test").eval()  # its config asks for a cache by default
+    with torch.no_grad(), padded(ppo, model, value):
+        plain = ppo.response_logprobs(model, queries, query_mask, responses, valid, 0.7, (0, 1.0, 0.0), True,
+                                      chunk=2 ** 20)
+        plain += (ppo.response_values(value, queries, query_mask, responses, valid),)
     with torch.no_grad():
-        packed = ppo.response_logprobs(model, ids, mask, responses, 0.7, (0, 1.0, 0.0), True, chunk=2 ** 20)
-        packed += (ppo.response_values(value, ids, mask, responses.shape[1]),)
-        inputs, _ = ppo.packed_inputs(model, ids, mask, responses.shape[1])
-        assert "attention_mask" not in inputs and inputs["input_ids"].numel() < ids.numel()  # it did pack
-        starts = (inputs["position_ids"] == 0) & (inputs["input_ids"] != 0)  # sequences' first tokens
-        assert (starts.sum(1) >= 2).any()  # some row holds two sequences: they must not see each other
-        with padded(ppo, model, value):
-            plain = ppo.response_logprobs(model, ids, mask, responses, 0.7, (0, 1.0, 0.0), True, chunk=2 ** 20)
-            plain += (ppo.response_values(value, ids, mask, responses.shape[1]),)
-    valid = responses != 0
-    for a, b in zip(packed, plain):
+        chosen = ppo.response_logprobs(model, queries, query_mask, responses, valid, 0.7, (0, 1.0, 0.0), True,
+                                       chunk=2 ** 20)
+        chosen += (ppo.response_values(value, queries, query_mask, responses, valid),)
+        assert ppo.CHECKED[model]["packs"] and ppo.CHECKED[value]["packs"]
+        inputs, _ = ppo.packed_inputs(model, queries, query_mask, responses, valid)
+        real = int(query_mask.sum() + valid.sum())  # each group's prompt once
+        assert inputs["input_ids"].numel() < 1.5 * real < torch.cat([queries.repeat_interleave(k, 0), responses],
+                                                                    1).numel()
+        longest = int((query_mask.sum(1) + valid.sum(1).view(-1, k).sum(1)).max())
+        for width in (longest, 2 * longest, 3 * longest):
+            inputs, index = ppo.pack_segments(model, queries, query_mask, responses, valid, width=width)
+            assert inputs["input_ids"].shape[1] == width
+            h, head = ppo.forward_to_head(model, index[valid], 2 ** 20, **inputs)
+            at_width = ppo.over_logits([head], [h], responses, lambda x, t: ppo.token_logprobs(
+                x, t, 0.7, (0, 1.0, 0.0), True), 2 ** 20, valid)
+            inputs, index = ppo.pack_segments(value, queries, query_mask, responses, valid, width=width)
+            values = value(**inputs).logits.flatten(0, 1)[index, 0]
+            for a, b in zip((*at_width, values), plain):
+                assert (a - b)[valid].abs().max() < 1e-5
+    for a, b in zip(chosen, plain):
         assert (a - b)[valid].abs().max() < 1e-5
-    assert all((a[~valid] == 0).all() for a in packed[:-1])  # no logprob computed where nothing is scored
+    assert all((a[~valid] == 0).all() for a in chosen[:-1])  # no logprob computed where nothing is scored
 
 
-PACK = {**ARCHITECTURES, "falcon, ALiBi": lambda v: FalconForCausalLM(FalconConfig(
-    vocab_size=v, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, alibi=True, multi_query=True))}
-LEAK = {  # at transformers' default initialisation: their states carry little position information
+def test_the_layout_holds_each_prompt_once_and_its_responses_see_it_and_themselves_only():
+    """pack_segments on a hand-made batch: two groups of k = 2, the rows and the mask written out."""
+    queries = torch.tensor([[0, 7, 8], [9, 10, 11]])  # prompts of 2 and 3 tokens
+    responses = torch.tensor([[12, 13], [14, 0], [15, 0], [0, 0]])  # group 0: 2 and 1 tokens; group 1: 1 and 0
+    model = ppo.build_tiny_model(ppo.build_tokenizer())
+    inputs, index = ppo.pack_segments(model, queries, queries != 0, responses, responses != 0, width=9)
+    assert inputs["input_ids"].tolist() == [[7, 8, 12, 13, 14, 9, 10, 11, 15]]  # 5 + 4 tokens: one row of 9
+    assert inputs["position_ids"].tolist() == [[0, 1, 2, 3, 2, 0, 1, 2, 3]]  # a response goes on from its prompt
+    assert index.tolist() == [[1, 2], [1, 4], [7, 8], [7, 8]]  # response 1: scored after the prompt, then itself
+    mask = inputs["attention_mask"][0, 0].int()  # [9, 9]: query along rows, key along columns
+    assert mask.tolist() == [[1, 0, 0, 0, 0, 0, 0, 0, 0],
+                             [1, 1, 0, 0, 0, 0, 0, 0, 0],
+                             [1, 1, 1, 0, 0, 0, 0, 0, 0],
+                             [1, 1, 1, 1, 0, 0, 0, 0, 0],
+                             [1, 1, 0, 0, 1, 0, 0, 0, 0],  # a sibling response's tokens: not seen
+                             [0, 0, 0, 0, 0, 1, 0, 0, 0],  # another group: not seen
+                             [0, 0, 0, 0, 0, 1, 1, 0, 0],
+                             [0, 0, 0, 0, 0, 1, 1, 1, 0],
+                             [0, 0, 0, 0, 0, 1, 1, 1, 1]]
+
+
+PACK = ARCHITECTURES
+REFUSED = {  # a forward that fails with a 4D mask, or whose attention depends on places in the row (ALiBi in MPT)
+    "falcon, ALiBi": lambda v: FalconForCausalLM(FalconConfig(
+        vocab_size=v, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, alibi=True, multi_query=True)),
     "bloom, ALiBi": lambda v: BloomForCausalLM(BloomConfig(vocab_size=v, hidden_size=32, n_layer=2, n_head=4)),
     "lfm2, short convolutions": lambda v: Lfm2ForCausalLM(Lfm2Config(
         vocab_size=v, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
@@ -107,29 +151,29 @@ LEAK = {  # at transformers' default initialisation: their states carry little p
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("arch", [*PACK, *LEAK])
-def test_the_packing_check_packs_only_models_that_keep_packed_sequences_apart(arch, dtype):
-    """The check puts another sequence before one of the batch and compares every position of it with its forward
-    alone. A sequence twice, compared at its last logits, let BLOOM and LFM2 pack (logprobs off by up to 3e-3 against
-    the padded forward); its 1e-4 left bf16 weights padded (Falcon's ALiBi rounds otherwise). In bf16 the tolerance
-    is 2 units of rounding: leaks below that pass (bf16 BLOOM and LFM2), and so they are left out there."""
-    if dtype == torch.bfloat16 and arch in LEAK and arch != "mpt":
-        pytest.skip("a leak under bf16's rounding")
+@pytest.mark.parametrize("arch", [*PACK, *REFUSED])
+def test_the_packing_check_packs_only_models_that_keep_segments_apart(arch, dtype):
+    """The check packs a sequence of the batch after another group and after a sibling response, and compares every
+    position that scores its response with its forward alone. Where it refuses, packing would fail or leak; where
+    it packs, the packed forward equals the padded one."""
     torch.manual_seed(0)
-    model = (PACK | LEAK)[arch](20).eval().to(dtype)
-    queries, responses = uneven_batch(20, width=2)  # responses within a convolution's reach of the row's last sequence
-    ids = torch.cat([queries, responses], 1)
-    mask = torch.cat([(queries != 0).cumsum(1) > 0, responses != 0], 1).long()
+    model = (PACK | REFUSED)[arch](20).eval().to(dtype)
+    queries, responses = uneven_batch(20, 2, prompts=3, width=2)  # within a convolution's reach of the row's end
+    queries, query_mask, valid = queries[::2], (queries[::2] != 0).cumsum(1) > 0, responses != 0
+    logprobs = lambda: ppo.response_logprobs(model, queries, query_mask, responses, valid, 1.0, chunk=0)[0]
     with torch.no_grad():
-        packed = ppo.response_logprobs(model, ids, mask, responses, 1.0, chunk=0)[0]
+        packed = logprobs()
         assert ppo.CHECKED[model]["packs"] is (arch in PACK)
         ppo.CHECKED[model]["packs"] = True  # what packing would give
-        forced = ppo.response_logprobs(model, ids, mask, responses, 1.0, chunk=0)[0]
+        try:
+            forced = logprobs()
+        except Exception:  # the forward takes no 4D mask (or no dict of them)
+            forced = None
         with padded(ppo, model):
-            plain = ppo.response_logprobs(model, ids, mask, responses, 1.0, chunk=0)[0]
-    if dtype == torch.float32:  # the check is right: packing leaks exactly where it refused
-        assert bool((forced - plain).abs().max() > 1e-5) == (arch in LEAK)
-        assert (packed - plain).abs().max() < 1e-5
+            plain = logprobs()
+    tol = 1e-5 if dtype == torch.float32 else 1e-3  # packed forwards here round as padded ones do
+    assert (forced is None or bool((forced - plain).abs().max() > tol)) == (arch in REFUSED)
+    assert (packed - plain).abs().max() < tol
 
 
 def run_step(script: str, settings: dict, lora: bool, checkpointing: bool, pad: bool) -> tuple:

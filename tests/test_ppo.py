@@ -114,9 +114,9 @@ def test_response_logprobs_ignore_left_padding_and_match_log_softmax(arch):
     short, long = tokenizer("3+4=").input_ids, tokenizer("12+34=").input_ids
     queries = ppo.left_pad([short, long], tokenizer.pad_token_id)
     responses = torch.tensor([[7, 8, 2], [9, 10, 2]])
-    mask = torch.cat([((queries != tokenizer.pad_token_id).cumsum(1) > 0), torch.ones_like(responses).bool()], 1)
-    logprobs, entropy = ppo.response_logprobs(model, torch.cat([queries, responses], 1), mask.long(), responses, 0.7,
-                                              with_entropy=True)
+    query_mask = (queries != tokenizer.pad_token_id).cumsum(1) > 0
+    logprobs, entropy = ppo.response_logprobs(model, queries, query_mask.long(), responses,
+                                              torch.ones_like(responses).bool(), 0.7, with_entropy=True)
     alone = torch.cat([torch.tensor([short]), responses[:1]], 1)
     full = model(alone).logits[:, len(short) - 1:-1].float() / 0.7
     expected = full.log_softmax(-1).gather(-1, responses[:1, :, None])[..., 0]
@@ -181,19 +181,20 @@ def test_masked_tokens_get_no_gradient_and_no_kl():
     metrics = ppo.ppo_step(policy, value, ref, optimizer, queries, responses, torch.ones(8), masks, hp=hp,
                            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     handle.remove()
-    (grad,) = grads  # [rows, width, V]: the logits of the forward, packed or not (packed_inputs)
-    input_ids = torch.cat([queries, responses], 1)
-    attention = torch.cat([(queries != tokenizer.pad_token_id).cumsum(1) > 0,
-                           torch.tensor([[1, 1, 1, 1, 0]] * 8).bool()], 1).long()
-    index = ppo.packed_inputs(policy, input_ids, attention, 5)[1]  # [B, T]: where each response token is scored
-    per_position = grad.flatten(0, 1)[index].abs().sum(-1)  # [B, T]: gradient reaching the logits of each token
+    (grad,) = grads  # [1, N, V]: the logits at the N valid response tokens' scoring positions, row-major
+    query_mask = (queries != tokenizer.pad_token_id).cumsum(1) > 0
+    valid = torch.tensor([[1, 1, 1, 1, 0]] * 8).bool()
+    assert torch.equal(valid, ppo.response_valid_mask(responses, tokenizer.pad_token_id, tokenizer.eos_token_id, masks))
+    assert grad.shape[:2] == (1, int(valid.sum()))
+    per_position = torch.zeros(responses.shape)  # [B, T]: gradient reaching the logits of each token
+    per_position[valid] = grad[0].abs().sum(-1)
     assert (per_position[:, [1, 2, 4]] == 0).all()
     assert (per_position[:, [0, 3]] > 0).all()
     # the KL in the metrics counts only the trained tokens (0 and 3)
     with torch.no_grad():
         policy_before = make_models()[1]
-        lp, _ = ppo.response_logprobs(policy_before, input_ids, attention, responses, 1.0)
-        rp, _ = ppo.response_logprobs(ref, input_ids, attention, responses, 1.0)
+        lp, _ = ppo.response_logprobs(policy_before, queries, query_mask, responses, valid, 1.0)
+        rp, _ = ppo.response_logprobs(ref, queries, query_mask, responses, valid, 1.0)
     expected_kl = (lp - rp)[:, [0, 3]].sum(1).mean().item()
     assert metrics["objective/kl"] == pytest.approx(expected_kl, rel=1e-4, abs=1e-5)
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config
 
+import ppo
 import rloo
 
 
@@ -38,7 +39,9 @@ def test_sequence_rewards_add_the_aggregated_step_scores():
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_shared_prefix_equals_forwarding_each_prompt_k_times(arch):
+def test_each_prompt_once_equals_forwarding_each_prompt_k_times(arch):
+    """Each prompt forwarded once, its k responses packed after it: the logprobs and their gradients are those of
+    each prompt repeated k times, forwarded with its response (by the model directly, and by ppo.py's k = 1 path)."""
     torch.manual_seed(0)
     tokenizer = rloo.build_tokenizer()
     model = rloo.build_tiny_model(tokenizer) if arch == "llama" else tiny_gpt2(tokenizer)
@@ -47,8 +50,9 @@ def test_shared_prefix_equals_forwarding_each_prompt_k_times(arch):
     responses = torch.randint(4, len(tokenizer), (6, 5))
     responses[0, 3:] = pad
     valid = responses != pad
-    shared, entropy = rloo.shared_prefix_logprobs(model, queries, responses, valid, pad, 0.7, with_entropy=True)
-    (shared * valid).sum().backward()
+    query_mask = (queries != pad).cumsum(1) > 0
+    once, entropy = rloo.response_logprobs(model, queries, query_mask, responses, valid, 0.7, with_entropy=True)
+    (once * valid).sum().backward()
     grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     # the plain way: each prompt repeated k = 3 times and forwarded with its response
@@ -58,10 +62,15 @@ def test_shared_prefix_equals_forwarding_each_prompt_k_times(arch):
                    position_ids=rloo.position_ids_from(mask)).logits[:, queries.shape[1] - 1:-1] / 0.7
     plain = logits.log_softmax(-1).gather(-1, responses[..., None])[..., 0]
     (plain * valid).sum().backward()
-    torch.testing.assert_close(shared[valid], plain[valid], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(once[valid], plain[valid], atol=1e-5, rtol=1e-5)
     for g, p in zip(grads, model.parameters()):
         torch.testing.assert_close(g, p.grad, atol=1e-5, rtol=1e-4)
     assert entropy.shape == (6, 5) and (entropy >= 0).all()
+    with torch.no_grad():  # ppo.py's forward of the same rows, each prompt k times
+        repeated_logprobs, repeated_entropy = ppo.response_logprobs(model, repeated, query_mask.repeat_interleave(3, 0),
+                                                                    responses, valid, 0.7, with_entropy=True)
+    torch.testing.assert_close(once, repeated_logprobs, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(entropy, repeated_entropy, atol=1e-5, rtol=1e-5)
 
 
 def make_models(seed=0):
@@ -137,8 +146,13 @@ def test_masked_tokens_get_no_gradient():
                    hp=rloo.RLOOHParams(kl_coef=0.1, kl_in_reward=False, logits_chunk=0),  # whole logits: hooked
                    pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     handle.remove()
-    prefix_grad, response_grad = sorted(grads, key=len)  # [P, 1, V] at the last prompt position; [B, T, V]
-    per_position = torch.cat([prefix_grad.repeat_interleave(4, 0), response_grad[:, :-1]], 1).abs().sum(-1)
+    (grad,) = grads  # [1, N, V]: the logits at the N valid response tokens' scoring positions, row-major
+    valid = torch.tensor([[1, 1, 1, 1, 0]] * 16).bool()
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    assert torch.equal(valid, rloo.response_valid_mask(responses, pad, eos, masks))
+    assert grad.shape[:2] == (1, int(valid.sum()))
+    per_position = torch.zeros(responses.shape)  # [B, T]: gradient reaching the logits of each token
+    per_position[valid] = grad[0].abs().sum(-1)
     assert (per_position[:, [1, 2, 4]] == 0).all()
     assert (per_position[:, [0, 3]] > 0).all()
 
