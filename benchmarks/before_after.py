@@ -15,6 +15,8 @@ processes take turns (each commit in fp32 and in bf16), and the figure compared 
     python benchmarks/before_after.py --before c120fc9 --bf16-gain --only ppo   # fp32 / bf16, before and after
     python benchmarks/before_after.py --before e91594c --real-lengths benchmarks/.cache/real_model/SmolLM2-135M-Instruct
     python benchmarks/before_after.py --before caea705 --decode 8   # the decode loop alone, eager and compiled
+    python benchmarks/before_after.py --before cd90045 --shape reasoning \
+        --real-lengths benchmarks/.cache/real_model/SmolLM2-135M-Instruct   # 150-250 prompt tokens, 8 x 256 new
 
 --real-lengths times one process's generation and update on the same batch at real lengths instead: SmolLM2's 32
 replies of up to 128 tokens to "Think step by step" sums (real_model.py --real-lengths' task), sampled by each
@@ -24,6 +26,7 @@ epoch of one mini-batch.
 """
 
 import argparse
+import dataclasses
 import statistics
 import subprocess
 import sys
@@ -101,9 +104,45 @@ def decode_in_turn(before: Path, art: Path, prompt_tokens: int, turns: int = 15)
               f"{statistics.median(a) / statistics.median(b):.3f} | {q2:.3f} ({q1:.3f}-{q3:.3f}) |", flush=True)
 
 
-def same_batch(before: Path, model: Path, algo: str, turns: int = 3) -> None:
+REASONING_SYSTEM = (
+    "You are a careful assistant that solves word problems. First think about the problem step by step inside "
+    "<think> </think> tags: restate what is given, name each quantity, write each operation on its own line with "
+    "its result, and check the result against the question before you go on. Then give only the final number "
+    "inside <answer> </answer> tags, with no units and no other words. If the problem gives more numbers than it "
+    "needs, say which ones you use and why. If a step could be done in more than one way, pick the shortest one "
+    "and say so. Keep the reasoning short, plain and in full sentences, and never skip the check at the end.")
+FILLER = ["On the way, the shop on the corner was closed for the holiday, so nothing was bought there.",
+          "The weather was cold and windy, and the children wore their new coats all afternoon.",
+          "Nobody counted the pencils in the drawer, which have nothing to do with this question.",
+          "Later that week, a neighbour came to visit and stayed for a cup of tea and some biscuits.",
+          "The numbers in the notebook were written in blue ink and underlined twice for clarity."]
+
+
+def batch_of(shape: str, tokenizer) -> tuple:
+    """(queries, their mask) [P x k, Lq] and k: 'sums', 8 chat sums x 4 (real_model.py --real-lengths' task), or
+    'reasoning', 4 word problems of 150-250 prompt tokens (a system prompt and a question) x 8."""
+    import random
+
+    if shape == "sums":
+        texts, k = [[{"role": "user", "content": f"What is {a}+{b}? Think step by step, then give the final answer."}]
+                    for a, b in [(17, 25), (31, 48), (22, 39), (45, 16), (28, 33), (11, 47), (36, 24), (40, 19)]], 4
+    else:
+        rng, texts, k = random.Random(0), [], 8
+        for extra in (0, 1, 2, 3):  # sentences of filler: prompts of about 190-250 tokens
+            a, b, c = rng.randrange(10, 90), rng.randrange(10, 90), rng.randrange(2, 9)
+            story = [f"Mia had {a} stickers.", *rng.sample(FILLER * 2, extra), f"She bought {b} more and then "
+                     f"shared them equally with {c} friends, keeping none.", "How many stickers did each friend get?"]
+            texts.append([{"role": "system", "content": REASONING_SYSTEM},
+                          {"role": "user", "content": " ".join(story)}])
+    texts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in texts]
+    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    return batch.input_ids.repeat_interleave(k, 0), batch.attention_mask.repeat_interleave(k, 0), k
+
+
+def same_batch(before: Path, model: Path, algo: str, shape: str = "sums", turns: int = 3) -> None:
     """--real-lengths: seconds of the decode loop and of one update (rloo_step with the grpo settings, or ppo_step
-    with one epoch of one mini-batch) on one batch, each commit's in turn."""
+    with one epoch of one mini-batch) on one batch, each commit's in turn; of the update, its forwards with gradients
+    and their backward apart; the positions the update's forwards compute."""
     import copy
     import time
 
@@ -113,18 +152,31 @@ def same_batch(before: Path, model: Path, algo: str, turns: int = 3) -> None:
     modules = both_sides(before, algo)
     tokenizer, policy = modules[1].load_policy(str(model), False)
     policy = modules[1].disable_dropout(policy).eval().requires_grad_(False)  # the reference, and every update's start
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": f"What is {a}+{b}? Think step by step, then "
-                                             "give the final answer."}], tokenize=False, add_generation_prompt=True)
-             for a, b in [(17, 25), (31, 48), (22, 39), (45, 16), (28, 33), (11, 47), (36, 24), (40, 19)]]
-    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-    queries, mask = batch.input_ids.repeat_interleave(4, 0), batch.attention_mask.repeat_interleave(4, 0)
-    rewards = torch.randn(32, generator=torch.Generator().manual_seed(0))
+    queries, mask, k = batch_of(shape, tokenizer)
+    new_tokens = 128 if shape == "sums" else 256
+    rewards = torch.randn(len(queries), generator=torch.Generator().manual_seed(0))
     common = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    times = {(side, part): [] for side in ("before", "after") for part in ("generation", "update")}
-    responses = None
+    parts = ("generation", "update", "update: forward + backward", "positions")
+    times = {(side, part): [] for side in ("before", "after") for part in parts}
+    responses, backward, clock = None, torch.Tensor.backward, {}
+
+    def timed_backward(self, *a, **kw):
+        start = time.perf_counter()
+        backward(self, *a, **kw)
+        clock["train"] = clock.get("train", 0.0) + time.perf_counter() - start
+
+    def pre(module, args, kw):
+        clock["start"] = time.perf_counter()
+        if torch.is_grad_enabled():
+            clock["positions"] = clock.get("positions", 0) + kw["input_ids"].numel()
+
+    def post(module, args, kw, output):
+        if torch.is_grad_enabled():
+            clock["train"] = clock.get("train", 0.0) + time.perf_counter() - clock["start"]
+
     for _ in range(turns):
         for side, module in zip(("before", "after"), modules):
-            sample, _ = module.generation_configs(module.GenArgs(max_new_tokens=128), tokenizer, 1.0)
+            sample, _ = module.generation_configs(module.GenArgs(max_new_tokens=new_tokens), tokenizer, 1.0)
             torch.manual_seed(0)
             start = time.perf_counter()
             ids = module.decode_loop(policy, queries, mask, sample)[0]
@@ -134,23 +186,39 @@ def same_batch(before: Path, model: Path, algo: str, turns: int = 3) -> None:
             value = None
             if algo == "ppo":  # the value model: the policy under a fresh head, seeded
                 torch.manual_seed(0)
-                value = module.token_classifier_from(policy, 1, "--model", "").train()
+                value = module.disable_dropout(module.token_classifier_from(policy, 1, "--model", "")).train()
             optimizer = module.adamw([trained] + ([value] if value is not None else []), 2e-5, 0.0)
+            hooks = [m.register_forward_pre_hook(pre, with_kwargs=True) for m in filter(None, (trained, value))]
+            hooks += [m.register_forward_hook(post, with_kwargs=True) for m in filter(None, (trained, value))]
+            clock.clear()
+            torch.Tensor.backward = timed_backward
             start = time.perf_counter()
             if algo == "ppo":
                 module.ppo_step(trained, value, policy, optimizer, queries, responses, rewards,
                                 hp=module.PPOHParams(num_ppo_epochs=1, num_mini_batches=1), **common)
             else:
-                module.rloo_step(trained, policy, optimizer, queries, responses, rewards,
-                                 hp=module.RECIPES["grpo"][1]().rloo, **common)
+                hp = dataclasses.replace(module.RECIPES["grpo"][1]().rloo, rloo_k=k)
+                module.rloo_step(trained, policy, optimizer, queries, responses, rewards, hp=hp, **common)
             times[side, "update"].append(time.perf_counter() - start)
+            torch.Tensor.backward = backward
+            times[side, "update: forward + backward"].append(clock.get("train", 0.0))
+            times[side, "positions"].append(clock.get("positions", 0))
+            for hook in hooks:
+                hook.remove()
             del trained, value, optimizer
     valid = modules[1].response_valid_mask(responses, tokenizer.pad_token_id, tokenizer.eos_token_id)
-    print(f"{algo}: 32 replies, mean {valid.sum(1).float().mean():.0f} of up to {responses.shape[1]} tokens; seconds, "
-          f"medians of {turns} turns\n| part | before | after | after / before |\n| --- | --- | --- | --- |")
-    for part in ("generation", "update"):
+    real = int(mask[::k].sum() + valid.sum())
+    print(f"{algo}, {shape}: {len(queries) // k} prompts of {mask[::k].sum(1).min()}-{mask[::k].sum(1).max()} tokens "
+          f"x {k} replies, mean {valid.sum(1).float().mean():.0f} of up to {responses.shape[1]} tokens; {real} real "
+          f"tokens, each prompt once; seconds, medians of {turns} turns\n| part | before | after | after / before |"
+          "\n| --- | --- | --- | --- |")
+    for part in parts:
         b, a = (statistics.median(times[side, part]) for side in ("before", "after"))
-        print(f"| {part} | {b:.1f} | {a:.1f} | {a / b:.2f} |")
+        if part == "positions":
+            print(f"| positions of the update's training forwards / real tokens | {b / real:.2f} | {a / real:.2f} | "
+                  f"{a / b:.2f} |")
+        else:
+            print(f"| {part} | {b:.1f} | {a:.1f} | {a / b:.2f} |")
 
 
 def main() -> None:
@@ -164,6 +232,9 @@ def main() -> None:
                         help="the bf16 speed gain (fp32 / bf16) before and after: four processes taking turns")
     parser.add_argument("--real-lengths", type=Path, metavar="MODEL_FOLDER",
                         help="generation and one rloo_step on the same batch at real lengths (a SmolLM2 folder)")
+    parser.add_argument("--shape", choices=["sums", "reasoning"], default="sums",
+                        help="--real-lengths' batch: 8 chat sums x 4 replies of up to 128 tokens, or 4 word problems "
+                             "of 150-250 prompt tokens (a system prompt and a question) x 8 replies of up to 256")
     parser.add_argument("--decode", type=int, metavar="PROMPT_TOKENS",
                         help="the decode loop alone, eager and compiled, on the small preset after prompts this long")
     args = parser.parse_args()
@@ -177,7 +248,7 @@ def main() -> None:
         try:
             if args.real_lengths:
                 for algo in args.only or ["rloo"]:
-                    same_batch(before, args.real_lengths.resolve(), algo)
+                    same_batch(before, args.real_lengths.resolve(), algo, args.shape)
                 return
             if args.decode:
                 decode_in_turn(before, art, args.decode)

@@ -277,7 +277,8 @@ def split_rows(folder: Path, size: Size, deadline: float, failures: list[str]) -
     import real_model
 
     rows = ["| run | s/iter | generation | scoring | no-grad passes | update: forward + backward | optimizer | rest | "
-            "padded: decode / update | mean length | s per 1,000 tokens | peak memory (MB) |", "| --- " * 12 + "|"]
+            "rest: output layer / step's other / loop's other | padded: decode / update | mean length | "
+            "s per 1,000 tokens | peak memory (MB) |", "| --- " * 13 + "|"]
     for script, recipe in (("ppo.py", []), ("rloo.py", ["grpo"])):
         for batch in (size.batch, 4 * size.batch):
             out = Path(tempfile.mkdtemp(prefix=f"gpu_check_split_{script[:-3]}_"))

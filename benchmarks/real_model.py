@@ -127,7 +127,8 @@ LONG_QUESTION, LONG_NEW_TOKENS = "What is {a}+{b}? Think step by step, then give
 # Our side under --real-lengths: the script's main with its functions wrapped, writing one JSON row per iteration
 # (at log_row) to splits.jsonl: seconds of generation, scoring, the update step's no-grad and grad forwards, backward
 # and optimizer steps; generated tokens and rows stepped by the decode loop; real and computed positions of the
-# step's forwards (packed_inputs' counts where it packs). Nothing in the scripts changes for it.
+# step's forwards (packed_inputs' counts where it packs, a group's prompt counted once). Nothing in the scripts
+# changes for it.
 PROFILE = r"""
 import json, os, sys, time
 import torch, tyro
@@ -164,14 +165,24 @@ for name in ("call_reward_fns", "reward_model_scores", "process_rewards"):
 step = "ppo_step" if hasattr(script, "ppo_step") else "rloo_step"
 setattr(script, step, timed("step", getattr(script, step), flag=True))
 script.step_or_skip = timed("optimizer", script.step_or_skip)
+over_logits, outer = script.over_logits, []
+def outermost_logits(*a, **kw):  # the output layer's forward (its backward is in "backward"), counted once a call
+    if outer or not inside:
+        return over_logits(*a, **kw)
+    outer.append(1)
+    try:
+        return timed("output_layer", over_logits)(*a, **kw)
+    finally:
+        outer.pop()
+script.over_logits = outermost_logits
 backward = torch.Tensor.backward
 torch.Tensor.backward = lambda self, *a, **kw: timed("backward", backward)(self, *a, **kw)
 if hasattr(script, "packed_inputs"):
     packed_inputs = script.packed_inputs
-    def counted(model, input_ids, attention_mask, T):
-        inputs, index = packed_inputs(model, input_ids, attention_mask, T)
-        if inside and "attention_mask" not in inputs:
-            add("real_positions", attention_mask.sum().item())
+    def counted(model, queries, query_mask, responses, valid):
+        inputs, index = packed_inputs(model, queries, query_mask, responses, valid)
+        if inside and not (torch.is_tensor(inputs["attention_mask"]) and inputs["attention_mask"].dim() == 2):
+            add("real_positions", (query_mask.sum() + valid.sum()).item())  # each group's prompt counted once
             add("computed_positions", inputs["input_ids"].numel())
         return inputs, index
     script.packed_inputs = counted
@@ -179,7 +190,7 @@ def pre(module, a, kw):
     sync()
     module.started = time.perf_counter()
     mask, ids = kw.get("attention_mask"), kw.get("input_ids")
-    if inside and mask is not None and ids is not None:
+    if inside and torch.is_tensor(mask) and mask.dim() == 2 and ids is not None:  # padded rows
         add("real_positions", mask[:, -ids.shape[1]:].sum().item())
         add("computed_positions", ids.numel())
 def post(module, a, kw, output):
@@ -435,8 +446,8 @@ def real_lengths(names: list[str], out: Path, model_folder: Path | None, parser)
     common = ["--max-new-tokens", str(LONG_NEW_TOKENS), "--num-eval-prompts", "8", "--eval-every", "1000",
               "--learning-rate", "2e-5"]
     rows = ["| side | s/iter | generation | scoring | no-grad passes | update: forward + backward | optimizer | rest "
-            "| padded: decode / update | mean length | s per 1,000 tokens | peak memory (MB) |",
-            "| --- " * 12 + "|"]
+            "| rest: output layer / step's other / loop's other | padded: decode / update | mean length "
+            "| s per 1,000 tokens | peak memory (MB) |", "| --- " * 13 + "|"]
     for name in names:
         spec = REAL_LENGTHS[name]
         if spec.script.endswith("trl_side.py") and not (ROOT / "benchmarks" / spec.python / "bin" / "python").exists():
@@ -472,7 +483,12 @@ def split_row(name: str, path: Path, peak_mb: float, returncode: int = 0) -> str
     responses = total("responses")
     rest = iteration - sum(parts)
     sec = lambda x: f"{x:.1f}" if abs(x) >= 1 else f"{x:.2g}"  # a tiny model's parts keep two significant digits
-    return (f"| {name} | {sec(iteration)} | " + " | ".join(sec(x) for x in parts) + f" | {sec(rest)} "
+    # the rest, ours: the output layer's forward outside the model's (logits and logprobs), the step's other work
+    # (its losses, masks, metrics), and the loop's outside generation, scoring and the step (logging, the batch)
+    split = "-" if "step" not in middle else " / ".join(sec(x) for x in (
+        part("output_layer"), part("step") - sum(parts[2:]) - part("output_layer"),
+        iteration - part("step") - part("generation") - part("scoring")))
+    return (f"| {name} | {sec(iteration)} | " + " | ".join(sec(x) for x in parts) + f" | {sec(rest)} | {split} "
             f"| {decode_padded:.2f} / {update_padded:.2f} | {total('generated_tokens') / max(responses, 1):.0f} | "
             f"{1000 * total('iteration_s') / max(total('generated_tokens'), 1):.1f} | {peak_mb:,.0f} |")
 

@@ -44,6 +44,7 @@ TINY = {
                                "--eval-every", "1"],
     "benchmarks/interleave_table.py": ["--seeds", "1", "--budget", "2"],
     "benchmarks/plot.py": [],
+    "benchmarks/pack_widths.py": ["--model", "builtin", "--turns", "1"],  # the tiny model in place of SmolLM2
 }
 HELP_ONLY = {"benchmarks/vs_trl.py", "benchmarks/before_after.py", "benchmarks/memory.py", "benchmarks/real_model.py",
              "benchmarks/grpo_family.py"}

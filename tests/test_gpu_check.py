@@ -46,8 +46,8 @@ def test_gpu_check_without_cuda_prints_the_tiny_table(tmp_path):
                                                                 "rloo.py grpo, batch 8", "rloo.py grpo, batch 32"]
     for line in split:
         cells = [c.strip() for c in line.strip("|").split("|")]
-        decode, update = map(float, cells[8].split(" / "))
-        assert float(cells[1]) > 0 and 0 <= decode < 1 and 0 <= update < 1 and int(cells[9]) > 0, line
+        decode, update = map(float, cells[9].split(" / "))
+        assert float(cells[1]) > 0 and 0 <= decode < 1 and 0 <= update < 1 and int(cells[10]) > 0, line
     for name in ROWS[:2]:
         assert float(re.match(r"([\d,]+) tokens/s", rows[name][0])[1].replace(",", "")) > 0 and rows[name][-1] == "ok"
     for name in [name for name in ROWS if "--compile" in name]:

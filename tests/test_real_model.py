@@ -208,7 +208,9 @@ def test_real_lengths_splits_each_iteration_into_its_parts(tiny_chat_model, tmp_
         assert [s["iteration"] for s in splits] == [0, 1, 2, 3, 4, 5]
         step, parts, rest = float(cells[0]), [float(c) for c in cells[1:6]], float(cells[6])
         assert step > 0 and all(x >= 0 for x in parts) and rest > -0.05 and abs(step - sum(parts) - rest) < 0.15
-        decode, update = map(float, cells[7].split(" / "))
-        assert 0 <= decode < 1 and 0 <= update < 1 and 0 < int(cells[8]) <= real_model.LONG_NEW_TOKENS
+        output_layer, step_other, loop_other = map(float, cells[7].split(" / "))  # the rest, in three
+        assert output_layer > 0 and abs(output_layer + step_other + loop_other - rest) < 0.15
+        decode, update = map(float, cells[8].split(" / "))
+        assert 0 <= decode < 1 and 0 <= update < 1 and 0 < int(cells[9]) <= real_model.LONG_NEW_TOKENS
         assert all(s["real_positions"] <= s["computed_positions"] for s in splits[1:])
     assert len(re.findall(r"\d+ rows \d+ ms", lines[-1])) == 4
