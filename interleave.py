@@ -252,8 +252,8 @@ def sft_step(policy, optimizer, input_ids: torch.Tensor, attention_mask: torch.T
     input_ids, attention_mask, labels = input_ids.to(device), attention_mask.to(device), labels.to(device)
     (B, L), targets, mask = input_ids.shape, labels[:, 1:], labels[:, 1:] != -100  # [B, L-1]
     scored = torch.arange(B * L, device=device).view(B, L)[:, :-1][mask]  # [N] the positions with a label next
-    h, head = ppo.forward_to_head(policy, scored, logits_chunk, input_ids=input_ids,
-                                  attention_mask=attention_mask)  # h [N, H], or the logits [N, V]
+    h, head = ppo.forward_to_head(policy, scored, logits_chunk, input_ids=input_ids, attention_mask=attention_mask,
+                                  use_cache=False)  # h [N, H], or the logits [N, V]
     n = ppo.global_sum(mask.sum().float()).clamp(min=1) / ppo.world_size()
     losses, hits = ppo.over_logits([head], [h], targets.clamp(min=0), lambda x, t: (  # [B, L-1] each: loss, hit
         -ppo.token_logprobs(x, t, 1.0)[0], (x.argmax(-1) == t).float()), logits_chunk, mask)

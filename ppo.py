@@ -914,16 +914,16 @@ def packed_inputs(model, queries: torch.Tensor, query_mask: torch.Tensor, respon
         last = {"logits_to_keep": 1} if model.get_output_embeddings() is not None else {}
         other = (seq + 1) % V  # differs at every position
         replies = torch.cat([other[:, 6:], other[:, 6:].flip(1), (seq[:, 6:] + 2) % V, seq[:, 6:]])  # [4, 10]: k = 2
-        inputs, index = pack_segments(model, torch.cat([other[:, :6], seq[:, :6]]), torch.ones_like(replies[:2, :6]),
-                                      replies, torch.ones_like(replies, dtype=torch.bool), width=52)  # one row
         try:
+            inputs, index = pack_segments(model, torch.cat([other[:, :6], seq[:, :6]]), torch.ones_like(
+                replies[:2, :6]), replies, torch.ones_like(replies, dtype=torch.bool), width=52)  # one row
             with torch.no_grad(), torch.autocast(device.type, enabled=False), torch.compiler.set_stance(
                     "force_eager"), model.get_decoder().register_forward_hook(lambda m, a, out: hidden.append(out[0])):
                 for x in (dict(input_ids=seq, use_cache=False), inputs):  # eager: no graph for a check made once
                     model(**x, **last)
             tol = max(1e-4, 2 * torch.finfo(hidden[0].dtype).eps)  # bf16 weights: a bf16 forward, 2 units of rounding
             fails = not torch.allclose(hidden[1].flatten(0, 1)[index[3]], hidden[0][0, 5:15], rtol=tol, atol=tol)
-        except Exception:  # a forward that takes no 4D mask, or no dict of them: such a model runs padded
+        except Exception:  # no 4D mask taken, or no dict of them (or no such config): such a model runs padded
             fails = True
         checked["packs"] = bool(global_sum(torch.tensor(float(fails), device=device)) == 0)
     if checked["packs"]:
@@ -936,26 +936,33 @@ def packed_inputs(model, queries: torch.Tensor, query_mask: torch.Tensor, respon
 
 def pack_segments(model, queries: torch.Tensor, query_mask: torch.Tensor, responses: torch.Tensor,
                   valid: torch.Tensor, width: int | None = None) -> tuple:
-    """packed_inputs' packed layout. Each group, its prompt's real tokens once and then its k responses', is one
-    segment; a response's position ids go on from its prompt's end, and a 4D mask lets a token see its group's prompt
-    and its own response's earlier tokens only (within a sliding window, per layer type). Segments go, longest first,
-    into rows of `width`, or of the width (1-3x the longest, in eighths) that costs least: rows x width x (3 x hidden
-    size + width), a position's layers and then its attention over the row (first fit; fitted on this CPU, where a
-    masked attention costs twice its FLOPs: docs/benchmarks.md)."""
-    (P, Lq), (B, T), device = queries.shape, responses.shape, queries.device
-    k, n_q, n_r, qm = B // P, query_mask.sum(1), valid.sum(1), query_mask.bool()  # n_q [P], n_r [B]: real tokens
-    lengths, per_position = (n_q + n_r.view(P, k).sum(1)).tolist(), 3 * model.config.hidden_size
+    """packed_inputs' packed layout. A group's prompt (its real tokens) and then its responses' are one segment, or,
+    where the attention's square over such rows costs more than copies of the prompt (long responses, many of them),
+    its responses go in segments of k dividing K, each after its own copy. A response's position ids go on from its
+    prompt's end, and a 4D mask lets a token see its segment's prompt and its own response's earlier tokens only
+    (within a sliding window, per layer type). Segments go, longest first, into rows (first fit) of `width`, or of
+    the width (1-3x the longest, in eighths) and k that cost least: rows x width x (3 x hidden size + width), a
+    position's layers and then its attention over the row (fitted on this CPU: docs/benchmarks.md)."""
+    config = model.config.get_text_config()  # a multimodal model's language model's
+    n_q, n_r, per_position = query_mask.sum(1), valid.sum(1), 3 * config.hidden_size  # [P], [B]: real tokens
+    K = len(n_r) // len(n_q)  # responses per prompt
 
-    def first_fit(W: int) -> tuple:  # (cost, W, rows, each segment's first flat position), longest first
-        widths, base = [], [0] * P
-        for p in sorted(range(P), key=lambda p: -lengths[p]):
+    def first_fit(W: int, k: int, lengths: list) -> tuple:  # (cost, W, k, rows, each segment's first flat position)
+        widths, base = [], [0] * len(lengths)
+        for p in sorted(range(len(lengths)), key=lambda p: -lengths[p]):  # longest first
             r = next((r for r, w in enumerate(widths) if w + lengths[p] <= W), len(widths))
             widths += [0] * (r == len(widths))
             base[p], widths[r] = r * W + widths[r], widths[r] + lengths[p]
-        return len(widths) * W * (per_position + W), W, len(widths), base
+        return len(widths) * W * (per_position + W), W, k, len(widths), base
 
-    widths = [width] if width else {max(lengths) * (8 + i) // 8 for i in range(17)}
-    _, W, rows, base = min(first_fit(w) for w in widths)
+    fits = []  # a group's K responses in segments of k, each after its own copy of the prompt (k = K: one copy)
+    for k in (k for k in range(1, K + 1) if K % k == 0):
+        lengths = (n_q.repeat_interleave(K // k) + n_r.view(-1, k).sum(1)).tolist()  # [P K / k] segments' tokens
+        widths = [width] if width else {max(lengths) * (8 + i) // 8 for i in range(17)}
+        fits += [first_fit(w, k, lengths) for w in widths if w >= max(lengths)]
+    _, W, k, rows, base = min(fits)
+    queries, query_mask, n_q = (x.repeat_interleave(K // k, 0) for x in (queries, query_mask, n_q))  # one a segment
+    (P, Lq), (B, T), device, qm = queries.shape, responses.shape, queries.device, query_mask.bool()
     base, t = torch.tensor(base, device=device), torch.arange(max(Lq, T, B), device=device)  # base [P]
     q_pos = t[:Lq] - (Lq - n_q)[:, None]  # [P, Lq] the prompts' position ids (negative on padding)
     r_pos = n_q.repeat_interleave(k)[:, None] + t[:T]  # [B, T] the responses', going on from the prompt's end
@@ -964,18 +971,19 @@ def pack_segments(model, queries: torch.Tensor, query_mask: torch.Tensor, respon
     q, r = ((base[:, None] + q_pos)[qm],), (r_flat[valid],)
     at = lambda fill, x, y: torch.full((rows * W,), fill, device=device).index_put(q, x[qm]).index_put(r, y[valid])
     ids, positions = at(0, queries, responses), at(0, q_pos, r_pos)
-    # each token's part: group p's prompt p (k + 1), its response j p (k + 1) + 1 + j (= b + p + 1), padding -1
+    # each token's part: segment p's prompt p (k + 1), its response j p (k + 1) + 1 + j (= b + p + 1), padding -1
     part = at(-1, t[:P, None].expand(P, Lq) * (k + 1), (t[:B] + t[:B] // k + 1)[:, None].expand(B, T))
     part, positions = part.view(rows, W, 1), positions.view(rows, W, 1)  # queries along dim 1, keys along dim 2
     seen = (part // (k + 1) == part.mT // (k + 1)) & ((part.mT % (k + 1) == 0) | (part == part.mT))  # [R, W, W]
-    mask = seen & torch.ones(W, W, dtype=torch.bool, device=device).tril()  # its group's prompt, its own response
-    window = getattr(model.config, "sliding_window", None) or rows * W  # query position - key position < window
-    windowed = mask & (positions - positions.mT < window)
-    if model.config._attn_implementation != "sdpa":  # eager attention adds the mask to its scores
-        mask, windowed = (torch.zeros(m.shape, device=device).masked_fill(~m, torch.finfo(torch.float32).min)
-                          for m in (mask, windowed))
-    types = getattr(model.config, "layer_types", None)  # models with one mask per layer type take a dict of them
-    masks = {kind: (windowed if "sliding" in kind else mask)[:, None] for kind in types} if types else windowed[:, None]
+    mask = seen & torch.ones(W, W, dtype=torch.bool, device=device).tril()  # its segment's prompt, its own response
+    window = getattr(config, "sliding_window", None)  # a key seen within it: query position - key position < window
+    windowed = mask & (positions.mT > positions - window) if window and window < W else mask
+    form = lambda m: (m if model.config._attn_implementation == "sdpa" else torch.zeros(m.shape, device=device)
+                      .masked_fill(~m, torch.finfo(torch.float32).min))[:, None]  # eager attention adds it to scores
+    full = form(mask)
+    sliding = full if windowed is mask else form(windowed)
+    # models with one mask per layer type take a dict; other types than these (chunks, recurrences) fail the check
+    masks = {"full_attention": full, "sliding_attention": sliding} if getattr(config, "layer_types", None) else sliding
     index = torch.cat([(base + n_q - 1).repeat_interleave(k)[:, None], r_flat[:, :-1]], 1)  # [B, T]
     return dict(input_ids=ids.view(rows, W), position_ids=positions.view(rows, W), attention_mask=masks,
                 use_cache=False), index.clamp(max=rows * W - 1)
@@ -1012,7 +1020,7 @@ def forward_to_head(model, index: torch.Tensor, chunk: int, **inputs) -> tuple:
 
     with model.get_decoder().register_forward_hook(narrow):
         logits = model(**inputs, logits_to_keep=int(plain)).logits  # [1, 1] or [1, N] positions
-    if plain and "head" not in checked:
+    if plain and "head" not in checked and index.numel():
         with torch.no_grad():
             ok = getattr(model.config, "final_logit_softcapping", None) is None and \
                 torch.allclose(head(hidden[0][:, -1:]).float(), logits.float(), rtol=1e-4, atol=1e-5)
@@ -1022,7 +1030,7 @@ def forward_to_head(model, index: torch.Tensor, chunk: int, **inputs) -> tuple:
                        "logprob passes make the scored positions' logits at once (--logits-chunk does not apply)")
             return forward_to_head(model, index, chunk, **inputs)
     h = hidden[0] if plain else logits  # [1, N, H] or [1, N, V]
-    return h.view(*index.shape, -1), head if plain else torch.nn.Identity()
+    return h.reshape(*index.shape, h.shape[-1]), head if plain else torch.nn.Identity()
 
 
 def over_logits(heads: list, hs: list, tokens: torch.Tensor, fn: Callable, chunk: int, mask=None) -> tuple:

@@ -118,6 +118,36 @@ def test_packed_logprobs_equal_the_padded_forward_at_every_width(arch, k):
     assert all((a[~valid] == 0).all() for a in chosen[:-1])  # no logprob computed where nothing is scored
 
 
+def test_long_responses_go_in_segments_of_fewer_each_after_a_copy_of_the_prompt():
+    """Where a group's row would be wide enough that its attention's square costs more than copies of the prompt
+    (8 responses of 56-64 tokens, the tiny model's hidden size of 64), the responses go in segments of fewer, each
+    after its own copy; the logprobs still equal the padded forward's."""
+    torch.manual_seed(0)
+    model = ppo.build_tiny_model(ppo.build_tokenizer()).eval()
+    queries, responses = torch.randint(5, 20, (2, 5)), torch.randint(5, 20, (16, 64))
+    valid = torch.arange(64)[None] < torch.randint(56, 65, (16, 1))
+    responses, query_mask = responses * valid, torch.ones_like(queries, dtype=torch.bool)
+    inputs, _ = ppo.pack_segments(model, queries, query_mask, responses, valid)
+    starts = int(((inputs["position_ids"] == 0) & (inputs["input_ids"] != 0)).sum())  # a prompt copy each
+    assert starts > 2  # more than one copy of each of the 2 prompts
+    with torch.no_grad():
+        packed = ppo.response_logprobs(model, queries, query_mask, responses, valid, 1.0)[0]
+        with padded(ppo, model):
+            plain = ppo.response_logprobs(model, queries, query_mask, responses, valid, 1.0)[0]
+    assert (packed - plain).abs().max() < 1e-5
+
+
+def test_a_batch_with_no_response_token_gives_zeros():
+    """A micro-batch whose responses are all empty (pad first, pad != EOS) scores nothing: no positions, no crash."""
+    model = ppo.build_tiny_model(ppo.build_tokenizer()).eval()
+    queries, responses = torch.randint(5, 20, (2, 4)), torch.zeros(4, 3, dtype=torch.long)
+    for chunk in (0, 2 ** 20):
+        logprobs, entropy = ppo.response_logprobs(model, queries, queries != 0, responses, responses != 0, 1.0,
+                                                  with_entropy=True, chunk=chunk)
+        assert logprobs.shape == entropy.shape == (4, 3) and not logprobs.any() and not entropy.any()
+    assert "head" not in ppo.CHECKED[model]  # nothing to check the output layer on: checked at the next batch
+
+
 def test_the_layout_holds_each_prompt_once_and_its_responses_see_it_and_themselves_only():
     """pack_segments on a hand-made batch: two groups of k = 2, the rows and the mask written out."""
     queries = torch.tensor([[0, 7, 8], [9, 10, 11]])  # prompts of 2 and 3 tokens
