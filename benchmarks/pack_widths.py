@@ -86,7 +86,8 @@ def main() -> None:
         mark = " (chosen)" if inputs["input_ids"].shape == chosen[0]["input_ids"].shape else ""
         rows.append((f"each prompt once, width {f / 8:g}x the longest group{mark}", inputs, index))
     if not any("(chosen)" in name for name, _, _ in rows):
-        rows.append(("each prompt once, the width chosen", *chosen))
+        rows.append(("the layout packed_inputs picks (its segments may hold fewer replies, each after a prompt copy)",
+                     *chosen))
     for name, inputs, index in rows:
         R, W = inputs["input_ids"].shape
         seconds = timed(model, inputs, index[valid], args.turns)
