@@ -201,8 +201,8 @@ class RLOOHParams:
     """leave_one_out: a sample's baseline is the mean reward of the other k - 1 (RLOO); group_mean: of all k (GRPO)"""
     scale_rewards: Literal["none", "group", "batch"] = "none"
     """divide the advantages by the reward std of the group (GRPO) or of the whole batch, all processes (none: RLOO)"""
-    loss_type: Literal["dapo", "grpo", "bnpo", "dr_grpo"] = "dapo"
-    """token losses to one (aggregate_loss): dapo over all tokens, grpo a mean of response means, bnpo, dr_grpo"""
+    loss_type: Literal["dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "vespo", "luspo"] = "dapo"
+    """the token losses (policy_losses: clipped, or cispo, sapo, vespo) and how they make one (aggregate_loss)"""
     max_completion_length: int | None = None
     """dr_grpo's constant (None: --max-new-tokens in the scripts, the batch's response width in a custom loop)"""
     kl_coef: float = 0.05
@@ -214,7 +214,25 @@ class RLOOHParams:
     cliprange: float = 0.2
     """clip range of the importance ratio (TRL's epsilon); matters when --num-ppo-epochs or --num-mini-batches > 1"""
     epsilon_high: float | None = None
-    """clip the ratio to [1 - cliprange, 1 + epsilon_high] (DAPO's clip-higher; None: cliprange on both sides)"""
+    """clip the ratio to [1 - cliprange, 1 + epsilon_high] (DAPO's clip-higher; None: cliprange); cispo: its cap"""
+    delta: float | None = None
+    """also cap the ratio at delta where the advantage is negative (INTELLECT-2's two-sided clip; None: off)"""
+    sapo_temperature_pos: float = 1.0
+    """sapo: the gate's temperature for tokens of positive advantage"""
+    sapo_temperature_neg: float = 1.05
+    """sapo: the gate's temperature for the others"""
+    vespo_k_pos: float = 2.0
+    """vespo: the weight's power of the response's ratio w, positive advantages (how fast w < 1 is weighted down)"""
+    vespo_lambda_pos: float = 3.0
+    """vespo: the weight's decay in w, positive advantages (how fast w > 1 is weighted down)"""
+    vespo_k_neg: float = 3.0
+    """vespo: the power for the other advantages"""
+    vespo_lambda_neg: float = 2.0
+    """vespo: the decay for the other advantages"""
+    top_entropy_quantile: float = 1.0
+    """policy loss only on the tokens of the highest entropy, this share of each micro-batch's (the 80/20 rule: 0.2)"""
+    off_policy_mask_threshold: float | None = None
+    """no policy loss for responses of negative advantage, mean KL(sampler || policy) above this (DeepSeek-V3.2)"""
     importance_sampling_level: Literal["token", "sequence", "sequence_sum"] = "token"
     """a ratio per token, or one per response: exp of its mean token log-ratio (sequence: GSPO), of their sum"""
     mask_truncated_completions: bool = False
@@ -267,6 +285,20 @@ RECIPES = {
              lambda: Args(exp_name="gspo", rloo=RLOOHParams(
                  baseline="group_mean", scale_rewards="group", loss_type="grpo", importance_sampling_level="sequence",
                  cliprange=3e-4, epsilon_high=4e-4, kl_coef=0.0, num_mini_batches=4))),
+    "cispo": ("CISPO (MiniMax-M1): the ratio capped at 5 and held constant, every token's gradient kept, no KL",
+              lambda: Args(exp_name="cispo", rloo=RLOOHParams(baseline="group_mean", scale_rewards="group",
+                                                             loss_type="cispo", epsilon_high=5.0, kl_coef=0.0,
+                                                             num_mini_batches=4))),
+    "sapo": ("SAPO: a soft gate on the ratio in place of the clip (temperatures 1 and 1.05), no KL, 4 mini-batches",
+             lambda: Args(exp_name="sapo", rloo=RLOOHParams(baseline="group_mean", scale_rewards="group",
+                                                           loss_type="sapo", kl_coef=0.0, num_mini_batches=4))),
+    "vespo": ("VESPO: a smooth weight of each response's ratio in place of the clip, no KL, 4 mini-batches",
+              lambda: Args(exp_name="vespo", rloo=RLOOHParams(baseline="group_mean", scale_rewards="group",
+                                                             loss_type="vespo", kl_coef=0.0, num_mini_batches=4))),
+    "luspo": ("LUSPO: GSPO with each response's loss times its length, no KL, 4 mini-batches", lambda: Args(
+        exp_name="luspo", rloo=RLOOHParams(baseline="group_mean", scale_rewards="group", loss_type="luspo",
+                                           importance_sampling_level="sequence", cliprange=3e-4, epsilon_high=4e-4,
+                                           kl_coef=0.0, num_mini_batches=4))),
 }
 
 
@@ -365,19 +397,77 @@ def group_advantages(rewards: torch.Tensor, k: int, baseline: str, scale: str) -
     return advantages.flatten(), baselines.flatten()
 
 
+def policy_losses(logprobs: torch.Tensor, old_logprobs: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+                  hp: RLOOHParams, weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Token losses [b, T], log-ratios [b, T] (or [b, 1], one per response) of logprobs to old_logprobs on mask, with
+    advantages adv [b, 1], by hp.loss_type as TRL 1.16 (docs/rloo.md, the family): PPO's clip for the rest,
+    max(-A min(r, delta), -A clip(r, 1 - eps, 1 + eps_high)); cispo (MiniMax-M1) -sg(min(r, eps_high)) A log pi;
+    sapo (SAPO) -A 4 / tau sigmoid(tau (r - 1)), tau by A's sign; vespo (VESPO) -sg(phi) A log pi, phi = w^k
+    exp(lambda (1 - w)) of the response's w = exp(summed token log-ratios). weight [b, T]: the sampler correction."""
+    token_log_ratio = logprobs - old_logprobs  # [b, T]
+    log_ratio = token_log_ratio
+    if hp.importance_sampling_level != "token":  # one per response [b, 1]: mean (GSPO) or sum (TRL RLOO)
+        n = mask.sum(1).clamp(min=1) if hp.importance_sampling_level == "sequence" else 1
+        log_ratio = ((token_log_ratio * mask).sum(1) / n)[:, None]
+    ratio, extra = log_ratio.exp(), {}
+    if hp.loss_type == "cispo":
+        losses = -ratio.clamp(max=hp.epsilon_high).detach() * adv * logprobs
+    elif hp.loss_type == "sapo":
+        tau = torch.where(adv > 0, hp.sapo_temperature_pos, hp.sapo_temperature_neg)
+        losses = -adv * torch.sigmoid(tau * (ratio - 1)) * 4 / tau
+    elif hp.loss_type == "vespo":  # w and phi in log space, clamped as TRL (and the paper's code)
+        with torch.no_grad():
+            log_w = (token_log_ratio.clamp(-20, 20) * mask).sum(1, keepdim=True)  # [b, 1]
+            if weight is not None:
+                log_w += (weight.log().clamp(math.log(1e-8), 20) * mask).sum(1, keepdim=True)
+            log_w = log_w.clamp(math.log(1e-8), 20)
+            k = torch.where(adv >= 0, hp.vespo_k_pos, hp.vespo_k_neg)
+            lam = torch.where(adv >= 0, hp.vespo_lambda_pos, hp.vespo_lambda_neg).clamp(min=1e-4)
+            extra["policy/vespo_phi_avg"] = (lam + k * log_w - lam * log_w.exp()).exp().nan_to_num(0.0, 0.0, 0.0)
+        return -extra["policy/vespo_phi_avg"] * adv * logprobs, log_ratio, extra
+    else:
+        unclipped = ratio if hp.delta is None else ratio.clamp(max=hp.delta)
+        high = hp.cliprange if hp.epsilon_high is None else hp.epsilon_high
+        losses = torch.max(-adv * unclipped, -adv * ratio.clamp(1 - hp.cliprange, 1 + high))
+    return (losses if weight is None else losses * weight), log_ratio, extra
+
+
+def loss_token_mask(logprobs: torch.Tensor, entropy: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+                    sampler_logprobs: torch.Tensor, hp: RLOOHParams) -> torch.Tensor:
+    """The tokens [b, T] of mask with a policy loss: those of the top hp.top_entropy_quantile by entropy on all
+    processes (Wang et al. 2025, 80/20), of responses with A >= 0 or a mean KL(sampler || policy) <= threshold."""
+    keep = mask
+    if hp.off_policy_mask_threshold is not None:  # DeepSeek-V3.2's off-policy sequence masking
+        kl = ((sampler_logprobs - logprobs.detach()) * mask).sum(1, keepdim=True)  # [b, 1], then its mean
+        kl = kl / mask.sum(1, keepdim=True).clamp(min=1)
+        keep = keep & ((adv >= 0) | (kl <= hp.off_policy_mask_threshold))
+    if hp.top_entropy_quantile < 1:
+        values = [entropy[mask].float()]  # every process's micro-batch
+        if world_size() > 1:
+            values = [None] * world_size()
+            torch.distributed.all_gather_object(values, entropy[mask].float().cpu())
+        values = torch.cat([v.to(entropy.device) for v in values])
+        threshold = torch.quantile(values, 1 - hp.top_entropy_quantile) if values.numel() else float("inf")
+        keep = keep & (entropy >= threshold)
+    return keep
+
+
 def aggregate_loss(losses: torch.Tensor, mask: torch.Tensor, loss_type: str, tokens: torch.Tensor,
                    accumulation: int, max_completion_length: int) -> torch.Tensor:
-    """One micro-batch's loss from token losses [b, T] on mask [b, T] as TRL's loss_type: dapo, the sum over `tokens`
-    (the mini-batch's on all processes); per micro-batch / accumulation: bnpo, grpo (response means), dr_grpo."""
-    if loss_type == "dapo":
+    """One micro-batch's loss from token losses [b, T] on mask [b, T] as TRL's loss_type: dapo (cispo, vespo), the sum
+    over `tokens` (the mini-batch's, all processes); per micro-batch / accumulation: bnpo, grpo (sapo) response means,
+    luspo response sums, dr_grpo."""
+    if loss_type in ("dapo", "cispo", "vespo"):
         return (losses * mask).sum() / tokens
     if loss_type == "bnpo":
         return (losses * mask).sum() / mask.sum().clamp(min=1) / accumulation
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):
         return ((losses * mask).sum(1) / mask.sum(1).clamp(min=1)).mean() / accumulation
+    if loss_type == "luspo":  # a response's loss times its length
+        return (losses * mask).sum(1).mean() / accumulation
     if loss_type == "dr_grpo":
         return (losses * mask).sum() / (losses.shape[0] * max_completion_length) / accumulation
-    raise ValueError(f"unknown loss_type {loss_type!r}: use dapo, grpo, bnpo or dr_grpo")
+    raise ValueError(f"unknown loss_type {loss_type!r}: use dapo, grpo, bnpo, dr_grpo, cispo, sapo, vespo or luspo")
 
 
 def sequence_rewards(scores: torch.Tensor, process: list | None, aggregate: str, weight: float) -> torch.Tensor:
@@ -471,7 +561,7 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
     params = [p for g in optimizer.param_groups for p in g["params"]]
     stats = {key: [] for key in ("policy/approxkl_avg", "policy/clipfrac_avg", "policy/clipfrac_low_avg",
                                  "policy/clipfrac_high_avg", "policy/entropy_avg", "loss/policy_avg", "loss/kl_avg",
-                                 "val/ratio")}  # one value per micro-batch
+                                 "val/ratio", "policy/loss_token_frac")}  # one value per micro-batch
     mini, skipped = P // hp.num_mini_batches, 0
     for _ in range(hp.num_ppo_epochs):
         for mb in torch.randperm(P, device=device).split(mini):  # shuffled mini-batches of prompts
@@ -482,18 +572,15 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
                 new_logprobs, entropy = (x[i] for x in first) if fused else forward(pi, i)
                 if not need_old and not fused:
                     old_logprobs[i] = new_logprobs.detach()
-                log_ratio = new_logprobs - old_logprobs[i]  # [b, T]
-                if hp.importance_sampling_level != "token":  # one per response [b, 1]: mean (GSPO) or sum (TRL RLOO)
-                    n = in_loss[i].sum(1).clamp(min=1) if hp.importance_sampling_level == "sequence" else 1
-                    log_ratio = ((log_ratio * in_loss[i]).sum(1) / n)[:, None]
-                ratio = log_ratio.exp()
-                adv = advantages[i, None]  # [b, 1]
-                pg_losses = torch.max(-adv * ratio, -adv * ratio.clamp(1 - hp.cliprange, 1 + high))  # [b, T]
+                adv, sampled = advantages[i, None], old_logprobs[i] if sampler_logprobs is None else sampler_logprobs[i]
+                weight = None  # [b, T] the sampler correction, truncated at the cap
                 if hp.sampler_correction_cap is not None and sampler_logprobs is not None:
-                    weight = (old_logprobs[i] - sampler_logprobs[i]).exp()  # [b, T], truncated at the cap
-                    pg_losses = pg_losses * weight.clamp(max=hp.sampler_correction_cap)
+                    weight = (old_logprobs[i] - sampled).exp().clamp(max=hp.sampler_correction_cap)
+                pg_losses, log_ratio, extra = policy_losses(new_logprobs, old_logprobs[i], adv, in_loss[i], hp, weight)
+                ratio = log_ratio.exp()
+                keep = loss_token_mask(new_logprobs, entropy, adv, in_loss[i], sampled, hp)  # [b, T]
                 kl_losses = kl_of(new_logprobs, i)  # [b, T]
-                token_losses = pg_losses if hp.kl_in_reward else pg_losses + hp.kl_coef * kl_losses
+                token_losses = pg_losses * keep if hp.kl_in_reward else pg_losses * keep + hp.kl_coef * kl_losses
                 loss = aggregate_loss(token_losses, in_loss[i], hp.loss_type, n_loss, hp.gradient_accumulation_steps,
                                       hp.max_completion_length or T)
                 loss.backward()  # even when not finite: every process runs the same collectives
@@ -502,7 +589,8 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
                     continue
                 with torch.no_grad():
                     t = in_loss[i]
-                    low_out, high_out = ratio < 1 - hp.cliprange, ratio > 1 + high
+                    low_out = ratio < 1 - hp.cliprange
+                    high_out = ratio > (hp.epsilon_high if hp.loss_type == "cispo" else 1 + high)  # cispo: its cap
                     stats["loss/policy_avg"].append(masked_mean(pg_losses, t))
                     stats["loss/kl_avg"].append(masked_mean(kl_losses, t))
                     stats["policy/approxkl_avg"].append(0.5 * masked_mean(log_ratio ** 2, t))
@@ -511,6 +599,9 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
                     stats["policy/clipfrac_high_avg"].append(masked_mean((high_out & (adv > 0)).float(), t))
                     stats["policy/entropy_avg"].append(masked_mean(entropy, t))
                     stats["val/ratio"].append(masked_mean(ratio, t))
+                    stats["policy/loss_token_frac"].append(masked_mean(keep.float(), t))
+                    for key, value in extra.items():
+                        stats.setdefault(key, []).append(value.mean())
             if not step_or_skip(optimizer, params, global_sum(bad) > 0, hp.max_grad_norm, hp.skip_nonfinite):
                 skipped += 1
 
@@ -557,9 +648,15 @@ def main(args: Args) -> None:
         fail("--kl-estimator", hp.kl_estimator, str(e))
     if hp.temperature <= 0:
         fail("--temperature", hp.temperature, "must be > 0: the logits are divided by it (evaluation is greedy anyway)")
-    if hp.importance_sampling_level != "token" and hp.loss_type != "grpo" and rank == 0:
-        print(f"note: --importance-sampling-level {hp.importance_sampling_level} gives each response one loss, which "
-              f"--loss-type {hp.loss_type} weighs by its length; GSPO and TRL's RLOOTrainer use --loss-type grpo")
+    if hp.loss_type == "cispo" and hp.epsilon_high is None:
+        fail("--epsilon-high", None, "--loss-type cispo caps the ratio at --epsilon-high itself: give it (TRL: 5.0)")
+    if not 0 <= hp.top_entropy_quantile <= 1:
+        fail("--top-entropy-quantile", hp.top_entropy_quantile, "is a share of the tokens: from 0 to 1 (1: all)")
+    per_response = hp.importance_sampling_level != "token"  # TRL's warnings
+    if rank == 0 and (per_response and hp.loss_type not in ("grpo", "sapo", "luspo") or hp.loss_type == "luspo" and
+                      not per_response):
+        print(f"note: --loss-type {hp.loss_type} with --importance-sampling-level {hp.importance_sampling_level}: "
+              "GSPO, LUSPO and TRL's RLOOTrainer take a ratio per response, VESPO and the token sums a ratio per token")
     local_prompts = args.batch_size // (hp.rloo_k * world)
     if args.batch_size % (hp.rloo_k * world) or local_prompts % (hp.num_mini_batches * hp.gradient_accumulation_steps):
         fail("--batch-size", args.batch_size, f"must be divisible by --rloo-k ({hp.rloo_k}) x {world} process(es) x "

@@ -1,13 +1,13 @@
 """The GRPO family, measured: each named configuration of rloo.py (RECIPES: rloo, trl_rloo, grpo, dr_grpo, dapo,
-gspo) on the built-in task at several seeds, on the real pretrained model of benchmarks/real_model.py, and the
-sampler-trainer logprob difference of filtered sampling in fp32 and bf16.
+gspo, cispo, sapo, vespo, luspo) on the built-in task at several seeds, on the real pretrained model of
+benchmarks/real_model.py, and the sampler-trainer logprob difference of filtered sampling in fp32 and bf16.
 
-    python benchmarks/grpo_family.py --part builtin     # 6 configurations x 3 seeds, two runs at a time (~21 min)
-    python benchmarks/grpo_family.py --part real        # 6 configurations on SmolLM2-135M-Instruct, one seed (~40 min)
+    python benchmarks/grpo_family.py --part builtin     # 10 configurations x 3 seeds, two runs at a time (~35 min)
+    python benchmarks/grpo_family.py --part real        # 10 configurations on SmolLM2-135M-Instruct, one seed (~65 min)
     python benchmarks/grpo_family.py --part sampling    # rloo.py --top-k 3 --top-p 0.9, fp32 and bf16 (~3 min)
 
-builtin prints the final greedy accuracy per seed and the episodes each seed took to reach 0.9 (the first evaluation
-at or above it), and draws the mean accuracy per configuration against episodes to docs/img/grpo_family.png. real
+builtin prints the final greedy accuracy per seed, the episodes each seed took to reach 0.9 (the first evaluation
+at or above it) and the last iteration's policy/entropy_avg and val/truncated_frac (means over seeds), and draws the mean accuracy per configuration against episodes to docs/img/grpo_family.png. real
 prints the held-out accuracy before and after and the minutes of each run. sampling prints, for each dtype, the mean
 over iterations of the logged sampling/sampling_logp_difference/mean and the largest /max; and, on the final model's
 samples, the difference the update would see if it took its logprobs from the full softmax (as before the filters
@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-NAMES = ["rloo", "trl_rloo", "grpo", "dr_grpo", "dapo", "gspo"]
+NAMES = ["rloo", "trl_rloo", "grpo", "dr_grpo", "dapo", "gspo", "cispo", "sapo", "vespo", "luspo"]
 
 
 def run_script(args: list[str], out: Path, threads: int = 1, reuse: bool = False) -> list[dict]:
@@ -54,14 +54,17 @@ def builtin(args) -> None:
             ["rloo.py", job[0], "--seed", str(job[1]), "--total-episodes", str(args.episodes), "--eval-every", "10"],
             args.out / f"{job[0]}-{job[1]}", reuse=args.reuse), jobs)))
     print(f"\nbuilt-in task, {args.episodes:,} episodes, seeds {args.seeds}")
-    print("| configuration | final accuracy per seed | mean | episodes to 0.9 per seed |")
-    print("| --- | --- | --- | --- |")
+    print("| configuration | final accuracy per seed | mean | episodes to 0.9 per seed | final entropy, truncated |")
+    print("| --- | --- | --- | --- | --- |")
     for name in args.names:
         finals = [evals(results[name, s])[-1]["task/accuracy"] for s in args.seeds]
         reached = [next((r["episode"] for r in evals(results[name, s]) if r["task/accuracy"] >= 0.9), None)
                    for s in args.seeds]
+        last = [[r for r in results[name, s] if "policy/entropy_avg" in r][-1] for s in args.seeds]
         print(f"| `{name}` | {' / '.join(f'{a:.2f}' for a in finals)} | {statistics.mean(finals):.2f} | "
-              f"{' / '.join(f'{e:,}' if e else 'not reached' for e in reached)} |")
+              f"{' / '.join(f'{e:,}' if e else 'not reached' for e in reached)} | "
+              f"{statistics.mean(r['policy/entropy_avg'] for r in last):.2f}, "
+              f"{statistics.mean(r['val/truncated_frac'] for r in last):.2f} |")
     import matplotlib
 
     matplotlib.use("Agg")

@@ -25,6 +25,10 @@ held-out sums) before training and every EVAL_EVERY steps, writing OUT/metrics.j
 grpo-lengths (TRL 1.16's GRPOTrainer) and ppo-lengths (TRL 1.12's PPOTrainer, scoring with OUT/../reward-model) are
 real_model.py --real-lengths' TRL sides: replies of up to 128 tokens, 32 a step, each step's seconds split into its
 parts in OUT/splits.jsonl, in the keys of real_model.py's PROFILE (N is not used).
+
+    benchmarks/.trl116-venv/bin/python benchmarks/trl_side.py grpo-losses FOLDER
+
+grpo-losses is tests/test_grpo_family.py's TRL 1.16 side: GRPOTrainer's own loss on the test's batch (grpo_losses).
 """
 
 import gc
@@ -329,7 +333,54 @@ def ppo_lengths(episodes: int, model: Path, data: Path, out: Path) -> None:
     trainer.train()
 
 
+def grpo_losses(folder: Path) -> None:
+    """TRL 1.16 GRPOTrainer's own `_compute_loss` on the batch of folder/batch.pt (prompts, completions, their mask,
+    advantages, the sampler's logprobs), for each case of folder/cases.json: a GRPOConfig's loss settings, trained
+    with SGD at lr 1 over mini-batches of prompts in the given order, the old logprobs those of the model before, the
+    reference's of folder/ref. Writes each case's parameter change to folder/<case>.pt. num_items_in_batch is each
+    mini-batch's token count times steps_per_generation: TRL's token sums then divide by the mini-batch's own count."""
+    from trl import GRPOConfig, GRPOTrainer
+    from trl.trainer import add_fused_lm_head
+
+    batch, cases = torch.load(folder / "batch.pt"), json.loads((folder / "cases.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(folder / "model")
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    attention = torch.cat([torch.ones_like(batch["prompt_ids"]), batch["completion_mask"].long()], 1)
+    T, K, minis = batch["completion_ids"].shape[1], cases.pop("num_generations"), cases.pop("order")
+    for name, config in cases.items():
+        model = AutoModelForCausalLM.from_pretrained(folder / "model", dtype=torch.float32)
+        ref = AutoModelForCausalLM.from_pretrained(folder / "ref", dtype=torch.float32)
+        add_fused_lm_head(ref, temperature=1.0)  # as GRPOTrainer makes its own reference
+        args = GRPOConfig(output_dir=str(folder / "trl"), report_to=[], use_cpu=True, bf16=False, num_generations=K,
+                          per_device_train_batch_size=len(ids) // len(minis), steps_per_generation=len(minis),
+                          max_completion_length=T, use_bias_correction_kl=False, **config)
+        trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
+                              train_dataset=Dataset.from_dict({"prompt": ["1+1="] * K}), processing_class=tokenizer)
+        trainer.current_gradient_accumulation_steps = 1
+        model, before = trainer.model.train(), torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+        with torch.no_grad():
+            old = trainer._get_per_token_logps_and_entropies(model, ids, attention, T)[0]
+            ref_logps = trainer._get_per_token_logps_and_entropies(ref, ids, attention, T)[0]
+        for prompts in minis:
+            rows = torch.tensor([p * K + j for p in prompts for j in range(K)])
+            mask = batch["completion_mask"][rows]
+            prompt_ids = batch["prompt_ids"][rows]
+            inputs = {"prompt_ids": prompt_ids, "prompt_mask": torch.ones_like(prompt_ids),
+                      "completion_ids": batch["completion_ids"][rows], "completion_mask": mask,
+                      "advantages": batch["advantages"][rows], "old_per_token_logps": old[rows],
+                      "ref_per_token_logps": ref_logps[rows], "sampling_per_token_logps": batch["sampler"][rows],
+                      "num_items_in_batch": mask.sum() * len(minis)}
+            model.zero_grad()
+            trainer._compute_loss(model, inputs).backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.sub_(p.grad)
+        torch.save(torch.cat([p.detach().flatten() for p in model.parameters()]) - before, folder / f"{name}.pt")
+
+
 def main() -> None:
+    if sys.argv[1] == "grpo-losses":
+        return grpo_losses(Path(sys.argv[2]))
     if sys.argv[1] in ("grpo-lengths", "ppo-lengths"):
         side = grpo_lengths if sys.argv[1] == "grpo-lengths" else ppo_lengths
         return side(int(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4]), Path(sys.argv[5]))

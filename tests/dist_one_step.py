@@ -3,6 +3,9 @@ the processes (plain data parallel, or FSDP2 with --fsdp; with --lora, perturbed
 with or without FSDP2); rank 0 saves the resulting parameters and the step's KL to the reference.
 
     torchrun --nproc_per_node 2 tests/dist_one_step.py ppo out.pt [--fsdp] [--lora]
+
+rloo-masks: rloo_step with vespo's loss, the top half of the tokens by entropy (a quantile of all processes' tokens) and
+off-policy sequence masking against sampler logprobs that differ from the policy's.
 """
 
 import os
@@ -55,11 +58,17 @@ def main(algo: str, out: str, fsdp: bool, lora: bool) -> None:
     if algo == "ppo":
         metrics = ppo.ppo_step(policy, value, ref, optimizer, queries[mine], responses[mine], rewards[mine],
                                hp=ppo.PPOHParams(num_ppo_epochs=1, num_mini_batches=1, kl_coef=0.1), **common)
-    else:
+    elif algo == "rloo":
         metrics = rloo.rloo_step(policy, ref, optimizer, queries[mine], responses[mine], rewards[mine],
                                  hp=rloo.RLOOHParams(kl_coef=0.1), **common)
+    else:
+        sampler = -2 - 4 * torch.rand(16, 16, generator=gen)  # [B, T] logprobs around the policy's
+        hp = rloo.RLOOHParams(kl_coef=0.1, loss_type="vespo", top_entropy_quantile=0.5, off_policy_mask_threshold=0.0)
+        metrics = rloo.rloo_step(policy, ref, optimizer, queries[mine], responses[mine], rewards[mine], hp=hp,
+                                 sampler_logprobs=sampler[mine], **common)
     weights = {f"{i}.{k}": v for i, m in enumerate(models) for k, v in ppo.full_state_dict(m).items()}
     weights["kl"] = ppo.average_metrics({"kl": metrics["objective/kl"]}, device)["kl"]  # the KL to the reference
+    weights["loss_token_frac"] = metrics.get("policy/loss_token_frac", 1.0)  # this process's
     checked = (ppo if algo == "ppo" else rloo).CHECKED  # the per-model checks: "packs" True where the layout packed
     weights["packed"] = any(checks.get("packs", False) for checks in checked.values())
     if rank == 0:

@@ -61,10 +61,10 @@ def test_lora_under_fsdp_saves_the_merged_model_and_the_adapter_which_agree(tmp_
     assert_merged_is_base_plus_adapter(out / "model", tiny_model_dir, out / "adapter")
 
 
-@pytest.mark.parametrize("algo", ["ppo", "rloo"])
+@pytest.mark.parametrize("algo", ["ppo", "rloo", "rloo-masks"])
 def test_one_step_equal_with_one_and_two_processes(algo, tmp_path):
     """Same global batch, one SGD step: 2 processes (data parallel or FSDP2) give the 1-process parameters within
-    1e-6 (float32 sums in another order)."""
+    1e-6 (float32 sums in another order). rloo-masks: the token masks decide on all processes' tokens alike."""
     out = {}
     modes = [(1, ""), (2, ""), (2, "--fsdp"), (1, "--lora"), (2, "--lora")]
     modes += [(2, "--fsdp --lora")] if algo == "ppo" else []  # the sharding is the scripts' shared machinery
@@ -80,6 +80,9 @@ def test_one_step_equal_with_one_and_two_processes(algo, tmp_path):
     initial = ppo.build_tiny_model(ppo.build_tokenizer()).state_dict()
     assert any(not torch.equal(out[(1, "")][f"0.{k}"], v) for k, v in initial.items())  # the step did move
     assert all(result["packed"] for result in out.values())  # on packed rows, FSDP2 and LoRA included
+    assert 0.2 < out[(1, "")]["loss_token_frac"] < 0.8 or algo != "rloo-masks"  # the masks dropped some tokens
+    for result in out.values():
+        result.pop("loss_token_frac")  # a process's own share
     for key in [(2, ""), (2, "--fsdp")]:
         for name, value in out[(1, "")].items():
             torch.testing.assert_close(torch.as_tensor(out[key][name]), torch.as_tensor(value), atol=1e-6, rtol=0)
