@@ -7,8 +7,9 @@ benchmarks/real_model.py, and the sampler-trainer logprob difference of filtered
     python benchmarks/grpo_family.py --part sampling    # rloo.py --top-k 3 --top-p 0.9, fp32 and bf16 (~3 min)
 
 builtin prints the final greedy accuracy per seed, the episodes each seed took to reach 0.9 (the first evaluation
-at or above it) and the last iteration's policy/entropy_avg and val/truncated_frac (means over seeds), and draws the mean accuracy per configuration against episodes to docs/img/grpo_family.png. real
-prints the held-out accuracy before and after and the minutes of each run. sampling prints, for each dtype, the mean
+at or above it) and the last iteration's policy/entropy_avg and val/truncated_frac (means over seeds), and draws the
+mean accuracy per configuration against episodes to docs/img/grpo_family.png. real prints the held-out accuracy
+before and after and the minutes of each run. sampling prints, for each dtype, the mean
 over iterations of the logged sampling/sampling_logp_difference/mean and the largest /max; and, on the final model's
 samples, the difference the update would see if it took its logprobs from the full softmax (as before the filters
 were made on-policy).
