@@ -758,10 +758,9 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>",
-                                        eos_token="<eos>", unk_token="<unk>", padding_side="left")
-    tokenizer.chat_template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    return tokenizer
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
+                                   unk_token="<unk>", padding_side="left",
+                                   chat_template="{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}")
 
 
 def build_tiny_model(tokenizer: PreTrainedTokenizerFast, hidden: int = 64, layers: int = 2) -> torch.nn.Module:
@@ -838,10 +837,9 @@ def load_policy(name: str, trust_remote_code: bool) -> tuple:
     if name == "builtin":
         tokenizer = build_tokenizer()
         return tokenizer, fp32_output_layer(build_tiny_model(tokenizer))
-    tokenizer = load_pretrained(AutoTokenizer, name, "--model", trust_remote_code)
+    tokenizer = load_pretrained(AutoTokenizer, name, "--model", trust_remote_code, padding_side="left")
     # fp32 weights whatever the checkpoint's dtype: in bf16, most of AdamW's small steps would round away
     policy = load_pretrained(AutoModelForCausalLM, name, "--model", trust_remote_code, dtype=torch.float32)
-    tokenizer.padding_side = "left"
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     policy.config.pad_token_id = tokenizer.pad_token_id
     return tokenizer, fp32_output_layer(policy)
@@ -927,14 +925,12 @@ def check_task(task: TaskArgs) -> bool:
 
 def load_prompt_dataset(path: str, split: str, column: str) -> datasets.Dataset:
     """A hub dataset or a local json/jsonl/parquet/csv file or folder, with its prompt column renamed 'prompt'."""
-    kinds = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
-    try:
-        if os.path.isfile(path):
-            if Path(path).suffix not in kinds:
-                fail("--dataset", path, f"unknown file type; use one of {sorted(kinds)}")
-            ds = datasets.load_dataset(kinds[Path(path).suffix], data_files=path, split=split)
-        else:
-            ds = datasets.load_dataset(path, split=split)
+    kinds, file = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}, os.path.isfile(path)
+    if file and Path(path).suffix not in kinds:
+        fail("--dataset", path, f"unknown file type; use one of {sorted(kinds)}")
+    try:  # a file's builder by its suffix, or a hub id or folder
+        ds = datasets.load_dataset(kinds[Path(path).suffix] if file else path, data_files=path if file else None,
+                                   split=split)
     except (OSError, ValueError, datasets.exceptions.DatasetsError) as e:  # OSError: no such file, or offline
         fail("--dataset", path, f"cannot load split {split!r} ({str(e).splitlines()[0][:120]}); check the path, "
                                 "the hub id and --dataset-split/--eval-split (a single file is the split 'train')")
@@ -1008,14 +1004,13 @@ def load_task(task: TaskArgs, tokenizer, context: int, max_new_tokens: int, trus
     reward_fns = [(spec, load_callable(spec, "--reward-fn")) for spec in task.reward_fn]
     if not (task.reward_fn or task.reward_model or task.prm_model):
         reward_fns = [("builtin:addition_reward", functools.partial(addition_reward, tokenizer=tokenizer))]
-    prm = prm_tokenizer = None
+    prm = prm_tokenizer = reward_model = rm_tokenizer = None
     if task.prm_model:
         prm_tokenizer = load_pretrained(AutoTokenizer, task.prm_model, "--prm-model", trust_remote_code)
         prm = load_pretrained(AutoModelForTokenClassification, task.prm_model, "--prm-model", trust_remote_code,
                               num_labels=2).eval().requires_grad_(False)
         if prm_tokenizer.unk_token_id in prm_tokenizer(task.prm_separator, add_special_tokens=False).input_ids:
             fail("--prm-separator", task.prm_separator, "the PRM's tokenizer cannot encode it; use its step separator")
-    reward_model = rm_tokenizer = None
     if task.reward_model:
         rm_tokenizer = load_pretrained(AutoTokenizer, task.reward_model, "--reward-model", trust_remote_code)
         reward_model = load_pretrained(AutoModelForSequenceClassification, task.reward_model, "--reward-model",
@@ -1053,8 +1048,8 @@ def draw_rows(task: Task, state: dict, n: int, seed: int) -> list[dict]:
 
 def left_pad(seqs: list[list[int]], pad_token_id: int) -> torch.Tensor:
     """[B, L] left-padded ids."""
-    width = max(len(s) for s in seqs)
-    return torch.tensor([[pad_token_id] * (width - len(s)) + s for s in seqs])
+    return torch.nn.utils.rnn.pad_sequence([torch.tensor(s, dtype=torch.long) for s in seqs], batch_first=True,
+                                           padding_value=pad_token_id, padding_side="left")
 
 
 def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -1144,11 +1139,10 @@ def pack_segments(model, queries: torch.Tensor, query_mask: torch.Tensor, respon
     seen = (part // (k + 1) == part.mT // (k + 1)) & ((part.mT % (k + 1) == 0) | (part == part.mT))  # [R, W, W]
     mask = seen & torch.ones(W, W, dtype=torch.bool, device=device).tril()  # its segment's prompt, its own response
     window = getattr(config, "sliding_window", None)  # a key seen within it: query position - key position < window
-    windowed = mask & (positions.mT > positions - window) if window and window < W else mask
     form = lambda m: (m if model.config._attn_implementation == "sdpa" else torch.zeros(m.shape, device=device)
                       .masked_fill(~m, torch.finfo(torch.float32).min))[:, None]  # eager attention adds it to scores
     full = form(mask)
-    sliding = full if windowed is mask else form(windowed)
+    sliding = form(mask & (positions.mT > positions - window)) if window and window < W else full
     # models with one mask per layer type take a dict; other types than these (chunks, recurrences) fail the check
     masks = {"full_attention": full, "sliding_attention": sliding} if getattr(config, "layer_types", None) else sliding
     index = torch.cat([(base + n_q - 1).repeat_interleave(k)[:, None], r_flat[:, :-1]], 1)  # [B, T]
@@ -1173,11 +1167,10 @@ def response_logprobs(policy, queries, query_mask, responses: torch.Tensor, vali
 
 
 def forward_to_head(model, index: torch.Tensor, chunk: int, **inputs) -> tuple:
-    """(h, head) at the flat output positions `index` [*] of the model's forward, head(h) the logits: a forward hook
-    narrows the decoder's output to them before the model's own head runs, so no logits are made elsewhere. With
-    chunk > 0, h [*, H] is that output and head the output layer (logits at one position: the whole model runs, so
-    FSDP gathers); with chunk 0, or logits that are not that layer on it (a soft-cap; checked once, said once), h
-    [*, V] is the model's logits, head Identity."""
+    """(h, head) at the flat output positions `index` [*] of the model's forward, head(h) their logits: a forward hook
+    narrows the decoder's output to them before the model's own head runs (no logits elsewhere). chunk > 0: h [*, H]
+    is that output, head the output layer (logits at one position: the whole model runs, so FSDP gathers); chunk 0,
+    or logits not that layer on it (a soft-cap; checked once, said once): h [*, V] the model's logits, head Identity."""
     head, checked, hidden = model.get_output_embeddings(), CHECKED.setdefault(model, {}), []
     plain = chunk > 0 and head is not None and checked.get("head", True)
 
@@ -1359,23 +1352,18 @@ def decode_loop(model, queries: torch.Tensor, attention_mask: torch.Tensor, gen:
         size = -(-n // 2) if compiled else max(live, 1)  # compiled: a graph a batch size
         if live < (getattr(gen, "compact_below", 0) or 0) * n and live <= size < n and (not compiled or 4 * size >= B):
             keep = torch.argsort(done[rows].int(), stable=True)[:size]  # the live rows first
-            cache = kept_rows(model, cache, keep, C if compiled else 0)
+            if compiled:  # copied, every slot, into a static cache of `size` rows (allocated at the first copy)
+                small = static_cache(model, size, C)
+                for old, new in zip(cache.layers, small.layers):
+                    new.update(old.keys[keep], old.values[keep])
+                    new.cumulative_length.copy_(old.cumulative_length)
+                cache = small
+            else:  # a growing cache selects them
+                cache.batch_select_indices(keep)
             rows, token = torch.arange(B, device=queries.device)[rows][keep], token[keep]
         logits = step(model, token[:, None], position[rows] + t, mask[rows, :C if compiled else Lq + t + 1], cache)
         stepped += len(token)
     return ids[:, Lq:Lq + t + 1], logprobs[:, :t + 1], stepped
-
-
-def kept_rows(model, cache, keep: torch.Tensor, static_length: int):
-    """The cache of the batch's rows `keep` [b]: a growing cache selects them; a static one copies them into b rows'."""
-    if not static_length:
-        cache.batch_select_indices(keep)
-        return cache
-    small = static_cache(model, len(keep), static_length)
-    for old, new in zip(cache.layers, small.layers):
-        new.update(old.keys[keep], old.values[keep])  # every slot copied (allocated at the first copy)
-        new.cumulative_length.copy_(old.cumulative_length)
-    return small
 
 
 def stop_check(tokenizer, stop_strings: list[str]) -> Callable:
@@ -1398,7 +1386,8 @@ def generate(policy, tokenizer, queries: torch.Tensor, gen: GenerationConfig, st
     attention_mask = ((queries != tokenizer.pad_token_id).cumsum(1) > 0).long()  # left padding only
     Lq = queries.shape[1]
     stop = stop_check(tokenizer, stop_strings) if stop_strings else None
-    if takes_cache(policy):
+    base = policy.get_base_model() if isinstance(policy, peft.PeftModel) else policy  # inside peft's wrapper
+    if "cache" in inspect.signature(type(base).forward).parameters:  # a forward that takes a cache (transformers')
         out, logprobs, stepped = decode_loop(policy, queries, attention_mask, gen, stop)
     else:
         print_once(f"generation through model.generate: {type(policy).__name__}'s forward takes no cache object, so "
@@ -1408,12 +1397,6 @@ def generate(policy, tokenizer, queries: torch.Tensor, gen: GenerationConfig, st
                               stopping_criteria=criteria, synced_gpus=torch.distributed.is_initialized())[:, Lq:]
         logprobs, stepped = None, out.numel()
     return *cut_responses(tokenizer, out.cpu(), stop_strings), None if logprobs is None else logprobs.cpu(), stepped
-
-
-def takes_cache(model: torch.nn.Module) -> bool:
-    """Whether the model's forward (inside peft's wrapper) takes a key/value cache object (transformers' own do)."""
-    model = model.get_base_model() if isinstance(model, peft.PeftModel) else model
-    return "cache" in inspect.signature(type(model).forward).parameters
 
 
 def cut_responses(tokenizer, responses: torch.Tensor, stop_strings: list[str]) -> tuple:
@@ -1485,20 +1468,19 @@ def process_rewards(prm, prm_tokenizer, tokenizer, prompts: list, completion_ids
         ends = [len(tokenizer.decode(ids[:j + 1], skip_special_tokens=True)) for j in range(len(ids))]  # chars
         prompt_text = prompt if isinstance(prompt, str) else prompt[-1]["content"]
         seq = bos + prm_tokenizer(prompt_text, add_special_tokens=False).input_ids
-        labelled, token_of_step, end = [], [], 0
+        place, end = [], 0  # (the PRM's position, the response's token) of each step
         for step in text.split(separator):
             end = min(end + len(step) + len(separator), len(text))
             if step.strip():
                 seq += prm_tokenizer(step, add_special_tokens=False).input_ids + sep_ids
-                labelled.append(len(seq) - 1)
-                token_of_step.append(next((j for j, e in enumerate(ends) if e >= end), len(ids) - 1))
+                place.append((len(seq) - 1, next((j for j, e in enumerate(ends) if e >= end), len(ids) - 1)))
         inputs.append(seq)
-        places.append((labelled, token_of_step))
+        places.append(place)
     width = max(map(len, inputs))
     ids = torch.tensor([s + [prm_tokenizer.pad_token_id or 0] * (width - len(s)) for s in inputs], device=prm.device)
     mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in inputs], device=prm.device)
     p_correct = prm(input_ids=ids, attention_mask=mask).logits.float().softmax(-1)[..., 1].cpu()  # [B, L]
-    return [[(j, p_correct[b, i].item()) for i, j in zip(*place)] for b, place in enumerate(places)]
+    return [[(j, p_correct[b, i].item()) for i, j in place] for b, place in enumerate(places)]
 
 
 def rollout(policy, tokenizer, rows: list[dict], gen: GenerationConfig, stop_strings: list[str], task: Task) -> dict:
@@ -1599,10 +1581,8 @@ def global_sum(x: torch.Tensor) -> torch.Tensor:
 
 def sync_gradients(params: list[torch.nn.Parameter]) -> None:
     """Average gradients over processes, as DistributedDataParallel does (FSDP has reduced its sharded ones)."""
-    if not torch.distributed.is_initialized():
-        return
     grads = [p.grad for p in params if p.grad is not None and not hasattr(p.grad, "placements")]
-    if grads:
+    if grads and torch.distributed.is_initialized():
         flat = torch.cat([g.flatten() for g in grads])
         torch.distributed.all_reduce(flat)
         flat /= torch.distributed.get_world_size()
@@ -1615,12 +1595,11 @@ def step_or_skip(optimizer, params: list, nonfinite: bool, max_grad_norm: float,
     if not nonfinite:
         sync_gradients(params)
         nonfinite = not torch.isfinite(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
-    if nonfinite and not skip_nonfinite:
-        optimizer.zero_grad(set_to_none=True)
-        raise FloatingPointError("the loss or the gradient norm is NaN/inf")
     if not nonfinite:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    if nonfinite and not skip_nonfinite:
+        raise FloatingPointError("the loss or the gradient norm is NaN/inf")
     return not nonfinite
 
 
@@ -1750,14 +1729,11 @@ def open_run(args, output_dir: Path, start: int, run_name: str) -> tuple[Path, A
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "config.json").write_text(json.dumps(asdict(args), indent=2))
     for log in (output_dir / "metrics.jsonl", output_dir / "samples.jsonl"):
-        kept = []
-        if start > 1 and log.exists():
-            kept = [r for r in log.read_text().splitlines() if json.loads(r)["iteration"] < start]
-        log.write_text("".join(r + "\n" for r in kept))
+        rows = log.read_text().splitlines() if start > 1 and log.exists() else []
+        log.write_text("".join(r + "\n" for r in rows if json.loads(r)["iteration"] < start))
     run = None
     if args.track:
         import wandb
-
         run = wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=run_name, id=run_name,
                          resume="allow", config=asdict(args), dir=str(output_dir), save_code=True)
     return output_dir / "metrics.jsonl", run
@@ -1778,7 +1754,6 @@ def log_row(path: Path | None, run, row: dict, samples: list | None = None) -> N
             tqdm.write(f"  score {s['score']:+.3f} | {prompt!r} -> {s['completion']!r}")
     if run is not None:
         import wandb
-
         if samples:
             table = [[str(s["prompt"]), s["completion"], s["score"]] for s in samples[:16]]
             run.log({"samples": wandb.Table(columns=["prompt", "completion", "score"], data=table)}, commit=False)
@@ -1880,16 +1855,15 @@ def load_weights(model, folder: Path) -> None:
                 fail(flag, ours, f"the checkpoint {folder.parent} was written with {key} {theirs}: resume with it")
         found = peft.set_peft_model_state_dict(model, peft.utils.load_peft_weights(str(folder)))
         missing = [k for k in found.missing_keys if "lora_" in k or "modules_to_save" in k]
-        if found.unexpected_keys or missing:
-            fail("--resume", str(folder.parent), f"its {folder.name} adapters do not fit the model (unexpected "
-                 f"{found.unexpected_keys[:2]}, missing {missing[:2]}); resume with the run's own --model")
-        return
-    found = model.load_state_dict({k: v for f in folder.glob("*.safetensors") for k, v in load_file(f).items()}, False)
-    own = model.state_dict()
-    held = {own[k].data_ptr() for k in own.keys() - set(found.missing_keys)}
-    if found.unexpected_keys or any(own[k].data_ptr() not in held for k in found.missing_keys):
-        fail("--resume", str(folder.parent), f"its {folder.name} weights do not fit the model (unexpected "
-             f"{found.unexpected_keys[:2]}, missing {found.missing_keys[:2]}); resume with the run's own --model")
+    else:  # a weight missing whose tied copy is loaded (save_pretrained leaves one out) is not missing
+        state = {k: v for f in folder.glob("*.safetensors") for k, v in load_file(f).items()}
+        found, own = model.load_state_dict(state, strict=False), model.state_dict()
+        held = {own[k].data_ptr() for k in own.keys() - set(found.missing_keys)}
+        missing = [k for k in found.missing_keys if own[k].data_ptr() not in held]
+    if found.unexpected_keys or missing:
+        fail("--resume", str(folder.parent), f"its {folder.name} {'adapters' if lora else 'weights'} do not fit "
+             f"the model (unexpected {found.unexpected_keys[:2]}, missing {missing[:2]}); resume with the run's "
+             "own --model")
 
 
 def save_checkpoint(folder: Path, models: dict, weights: dict, tokenizer, state: dict, keep: int) -> None:
@@ -1925,8 +1899,7 @@ def load_state(folder: Path) -> dict:
     except pickle.UnpicklingError as e:
         found = str(e).partition("GLOBAL ")[2].split(" ")[0] or "an object"
         fail("--resume", str(folder), f"its state.pt holds {found}, not only tensors, numbers, strings, lists and "
-                                      "dicts, and loading it could run code: refused; resume from a checkpoint that "
-                                      "this script wrote")
+             "dicts, and loading it could run code: refused; resume from a checkpoint that this script wrote")
 
 
 if __name__ == "__main__":

@@ -418,10 +418,9 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>",
-                                        eos_token="<eos>", unk_token="<unk>", padding_side="left")
-    tokenizer.chat_template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    return tokenizer
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
+                                   unk_token="<unk>", padding_side="left",
+                                   chat_template="{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}")
 
 
 def build_tiny_model(tokenizer: PreTrainedTokenizerFast, hidden: int = 64, layers: int = 2) -> torch.nn.Module:
@@ -706,10 +705,8 @@ def global_sum(x: torch.Tensor) -> torch.Tensor:
 
 def sync_gradients(params: list[torch.nn.Parameter]) -> None:
     """Average gradients over processes, as DistributedDataParallel does (FSDP has reduced its sharded ones)."""
-    if not torch.distributed.is_initialized():
-        return
     grads = [p.grad for p in params if p.grad is not None and not hasattr(p.grad, "placements")]
-    if grads:
+    if grads and torch.distributed.is_initialized():
         flat = torch.cat([g.flatten() for g in grads])
         torch.distributed.all_reduce(flat)
         flat /= torch.distributed.get_world_size()
@@ -722,12 +719,11 @@ def step_or_skip(optimizer, params: list, nonfinite: bool, max_grad_norm: float,
     if not nonfinite:
         sync_gradients(params)
         nonfinite = not torch.isfinite(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
-    if nonfinite and not skip_nonfinite:
-        optimizer.zero_grad(set_to_none=True)
-        raise FloatingPointError("the loss or the gradient norm is NaN/inf")
     if not nonfinite:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    if nonfinite and not skip_nonfinite:
+        raise FloatingPointError("the loss or the gradient norm is NaN/inf")
     return not nonfinite
 
 
@@ -764,14 +760,11 @@ def open_run(args, output_dir: Path, start: int, run_name: str) -> tuple[Path, A
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "config.json").write_text(json.dumps(asdict(args), indent=2))
     for log in (output_dir / "metrics.jsonl", output_dir / "samples.jsonl"):
-        kept = []
-        if start > 1 and log.exists():
-            kept = [r for r in log.read_text().splitlines() if json.loads(r)["iteration"] < start]
-        log.write_text("".join(r + "\n" for r in kept))
+        rows = log.read_text().splitlines() if start > 1 and log.exists() else []
+        log.write_text("".join(r + "\n" for r in rows if json.loads(r)["iteration"] < start))
     run = None
     if args.track:
         import wandb
-
         run = wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=run_name, id=run_name,
                          resume="allow", config=asdict(args), dir=str(output_dir), save_code=True)
     return output_dir / "metrics.jsonl", run
@@ -818,16 +811,15 @@ def load_weights(model, folder: Path) -> None:
                 fail(flag, ours, f"the checkpoint {folder.parent} was written with {key} {theirs}: resume with it")
         found = peft.set_peft_model_state_dict(model, peft.utils.load_peft_weights(str(folder)))
         missing = [k for k in found.missing_keys if "lora_" in k or "modules_to_save" in k]
-        if found.unexpected_keys or missing:
-            fail("--resume", str(folder.parent), f"its {folder.name} adapters do not fit the model (unexpected "
-                 f"{found.unexpected_keys[:2]}, missing {missing[:2]}); resume with the run's own --model")
-        return
-    found = model.load_state_dict({k: v for f in folder.glob("*.safetensors") for k, v in load_file(f).items()}, False)
-    own = model.state_dict()
-    held = {own[k].data_ptr() for k in own.keys() - set(found.missing_keys)}
-    if found.unexpected_keys or any(own[k].data_ptr() not in held for k in found.missing_keys):
-        fail("--resume", str(folder.parent), f"its {folder.name} weights do not fit the model (unexpected "
-             f"{found.unexpected_keys[:2]}, missing {found.missing_keys[:2]}); resume with the run's own --model")
+    else:  # a weight missing whose tied copy is loaded (save_pretrained leaves one out) is not missing
+        state = {k: v for f in folder.glob("*.safetensors") for k, v in load_file(f).items()}
+        found, own = model.load_state_dict(state, strict=False), model.state_dict()
+        held = {own[k].data_ptr() for k in own.keys() - set(found.missing_keys)}
+        missing = [k for k in found.missing_keys if own[k].data_ptr() not in held]
+    if found.unexpected_keys or missing:
+        fail("--resume", str(folder.parent), f"its {folder.name} {'adapters' if lora else 'weights'} do not fit "
+             f"the model (unexpected {found.unexpected_keys[:2]}, missing {missing[:2]}); resume with the run's "
+             "own --model")
 
 
 def save_checkpoint(folder: Path, models: dict, weights: dict, tokenizer, state: dict, keep: int) -> None:
@@ -863,8 +855,7 @@ def load_state(folder: Path) -> dict:
     except pickle.UnpicklingError as e:
         found = str(e).partition("GLOBAL ")[2].split(" ")[0] or "an object"
         fail("--resume", str(folder), f"its state.pt holds {found}, not only tensors, numbers, strings, lists and "
-                                      "dicts, and loading it could run code: refused; resume from a checkpoint that "
-                                      "this script wrote")
+             "dicts, and loading it could run code: refused; resume from a checkpoint that this script wrote")
 
 
 def write_checkpoint(folder: Path, model, tokenizer, optimizer, state: dict, keep: int, rank: int, world: int) -> None:
