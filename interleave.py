@@ -51,7 +51,8 @@ RL_LOGGED = ["objective/kl", "objective/entropy", "objective/non_score_reward", 
 LOGGED = {"sft": ["loss", "token_accuracy", "nonfinite_skipped"],
           "ppo": [*RL_LOGGED, "loss/value_avg", "val/clipfrac_avg"],
           "rloo": [*RL_LOGGED, "loss/kl_avg", "rloo/baseline_avg", "rloo/advantage_std", "rloo/frac_equal_groups",
-                   "policy/clipfrac_low_avg", "policy/clipfrac_high_avg", "val/truncated_frac"],
+                   "policy/clipfrac_low_avg", "policy/clipfrac_high_avg", "policy/loss_token_frac",
+                   "val/truncated_frac"],
           "prm": ["train/loss", "train/step_accuracy", "train/pad_fraction", "train/tokens", "train/nonfinite_skipped"]}
 EVAL_METRICS = ["task/accuracy", "eval/scores"]
 COUNTS = ("val/num_eos_tokens", "train/tokens")  # per-process counts: summed over processes, the other metrics averaged
@@ -558,12 +559,9 @@ def check_args(args: Args) -> bool:
 
 
 if __name__ == "__main__":
-    argv = sys.argv[1:]
-    if not argv or argv[0] not in RECIPES and argv[0] not in ("-h", "--help"):
-        argv = ["interleaved", *argv]  # no recipe named: the default one
-    main(tyro.extras.overridable_config_cli(RECIPES, args=argv, description="Alternate SFT, PPO, RLOO and PRM steps "
-                                            "on one shared policy. Name a recipe, then override any setting; with no "
-                                            "recipe named, 'interleaved' runs."))
+    main(ppo.parse_args(Args, RECIPES, sys.argv[1:], "Alternate SFT, PPO, RLOO and PRM steps on one shared policy. "
+                        "Name a recipe (before or after the flags), which the flags override; with none named, "
+                        "'interleaved' runs. Recipes:"))
     if "LOCAL_RANK" in os.environ:  # under torchrun: all is saved and the group torn down; skip interpreter
         sys.stdout.flush()          # teardown, where gloo's leftover threads can abort the process (SIGABRT)
         sys.stderr.flush()

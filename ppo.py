@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import copy
+import difflib
 import functools
 import inspect
 import json
@@ -31,6 +32,7 @@ import pickle
 import pkgutil
 import random
 import runpy
+import shlex
 import shutil
 import sys
 import time
@@ -528,6 +530,7 @@ def main(args: Args) -> None:
             metrics, samples = evaluate(policy, tokenizer, task, sample, greedy, gen.stop_strings, rank, world)
         log_row(metrics_path, run, {"iteration": 0, "episode": 0, "elapsed_s": 0.0, **metrics}, samples)
         state["accuracy"] = metrics["task/accuracy"]
+    spreads = []  # the first iterations' score spreads
     progress = tqdm(range(start, num_iterations + 1), initial=start - 1, total=num_iterations, desc="ppo",
                     disable=rank != 0)
     t0 = time.time() - state["elapsed"]
@@ -539,6 +542,7 @@ def main(args: Args) -> None:
         rows = rows[rank * local_batch:(rank + 1) * local_batch]
         with autocast(hp.dtype, device):
             out = rollout(policy, tokenizer, rows, sample, gen.stop_strings, task)
+        check_scores_vary(out["scores"].to(device), spreads, args.model == "builtin", rank)  # said once if never
         # 9. Update: the scores (with a PRM, per-token process rewards too) go into one ppo_step.
         rewards = token_rewards(out["scores"], out["masks"], out["process"], args.task.prm_weight)
         try:
@@ -1206,6 +1210,20 @@ def stop_check(tokenizer, stop_strings: list[str]) -> Callable:
                                          tokenizer.batch_decode(new_ids[:, -width:])], device=new_ids.device)
 
 
+def check_scores_vary(scores: torch.Tensor, spreads: list, builtin_model: bool, rank: int, first: int = 3) -> None:
+    """The spread of each of the first iterations' scores [B] over all processes; where none varied, one line says so
+    (rank 0): every advantage is 0 and nothing is learnt (a reward that cannot fire, a format never written)."""
+    if len(spreads) < first:
+        spread = torch.stack([scores.max(), -scores.min()])
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(spread, op=torch.distributed.ReduceOp.MAX)
+        spreads.append(spread.sum().item())
+        if len(spreads) == first and max(spreads) == 0 and rank == 0:
+            tqdm.write(f"warning: every completion of the first {first} iterations scored {scores[0].item():g}: "
+                       "nothing to learn from; check that the reward can score what the model writes" + (" (the "
+                       "built-in model writes digits and +-*= only)" if builtin_model else ""))
+
+
 @functools.cache
 def print_once(message: str) -> None:
     """Print a message the first time it comes in this process (functools.cache remembers it)."""
@@ -1256,7 +1274,8 @@ def call_reward_fns(reward_fns: list, weights: list[float], prompts: list, compl
         try:
             out = list(fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns))
         except Exception as e:  # any error in user code becomes one line
-            fail("--reward-fn", spec, f"the function raised {type(e).__name__}: {e}; fix the function")
+            fail("--reward-fn", spec, f"the function raised {type(e).__name__}: {e}; fix the function (called as "
+                 "fn(prompts, completions, completion_ids, **columns), -> one float per completion: take **kwargs)")
         if len(out) != len(completions):
             fail("--reward-fn", spec, f"returned {len(out)} scores for {len(completions)} completions; return one "
                                       "float per completion")
@@ -1560,6 +1579,7 @@ def average_metrics(metrics: dict, device: torch.device, counts: tuple[str, ...]
 def open_run(args, output_dir: Path, start: int, run_name: str) -> tuple[Path, Any]:
     """config.json, metrics.jsonl and samples.jsonl cut to the rows before `start`, wandb with --track. Rank 0 only."""
     output_dir.mkdir(parents=True, exist_ok=True)
+    print(f"run folder: {output_dir}", flush=True)
     (output_dir / "config.json").write_text(json.dumps(asdict(args), indent=2))
     for log in (output_dir / "metrics.jsonl", output_dir / "samples.jsonl"):
         rows = log.read_text().splitlines() if start > 1 and log.exists() else []
@@ -1735,10 +1755,36 @@ def load_state(folder: Path) -> dict:
              "dicts, and loading it could run code: refused; resume from a checkpoint that this script wrote")
 
 
+def named_config(name: str) -> Args:
+    """The Args of RECIPES[name]: its flags, and its name as --exp-name."""
+    return tyro.cli(Args, args=[*shlex.split(RECIPES[name][1]), "--exp-name", name])
+
+
+def parse_args(cls, recipes: dict, argv: list[str], description: str) -> Any:
+    """The command line's config of cls: a named configuration (recipes: name -> (what it is, its config; the first
+    the default)) wherever it stands, the other flags over it; --help lists them; a misspelt one is one line."""
+    description += "".join(f"\n  {name}: {text}" for name, (text, _) in recipes.items())
+    default = next(iter(recipes.values()))[1] if recipes else tyro.MISSING_NONPROP
+    _, unknown = tyro.cli(cls, args=[w for w in argv if w not in ("-h", "--help")], default=default,
+                          return_unknown_args=True)
+    named = [w for w in unknown if w in recipes][:1]
+    for word in [w for w in unknown if recipes and not w.startswith("-") and w not in named]:
+        close = " or ".join(difflib.get_close_matches(word.lower(), recipes, n=1 if word.lower() in recipes else 3,
+                                                      cutoff=0.6))
+        fail("the named configuration", word, f"{'did you mean ' + close + '? ' if close else ''}there are "
+             f"{', '.join(recipes)} (before or after the flags)")
+    if named:
+        argv = argv[:argv.index(named[0])] + argv[argv.index(named[0]) + 1:]
+        default = recipes[named[0]][1]
+    return tyro.cli(cls, args=argv, default=default, description=description)
+
+
 if __name__ == "__main__":
-    configs = {name: (text, make()) for name, (text, make) in RECIPES.items()}
-    recipe = len(sys.argv) > 1 and sys.argv[1] in RECIPES  # a named configuration, then flags that override it
-    main(tyro.extras.overridable_config_cli(configs, args=sys.argv[1:]) if recipe else tyro.cli(Args))
+    configs = {name: (text, named_config(name)) for name, (text, _) in RECIPES.items()}
+    main(parse_args(Args, configs, sys.argv[1:], f"{Args.__doc__}\n\nMost runs set --model, --dataset or --prompt-fn, "
+                    f"--reward-fn or --reward-model, --total-episodes (iterations = episodes / --batch-size: "
+                    f"{10 * Args.batch_size} are 10) and --output-dir." + "\n\nNamed configurations (NAME [flags], the "
+                    "flags over it):" * bool(RECIPES)))
     if "LOCAL_RANK" in os.environ:  # under torchrun: all is saved and the group torn down; skip interpreter
         sys.stdout.flush()          # teardown, where gloo's leftover threads can abort the process (SIGABRT)
         sys.stderr.flush()

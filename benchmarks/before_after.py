@@ -197,7 +197,9 @@ def same_batch(before: Path, model: Path, algo: str, shape: str = "sums", turns:
                 module.ppo_step(trained, value, policy, optimizer, queries, responses, rewards,
                                 hp=module.PPOHParams(num_ppo_epochs=1, num_mini_batches=1), **common)
             else:
-                hp = dataclasses.replace(module.RECIPES["grpo"][1]().rloo, rloo_k=k)
+                named = getattr(module, "named_config", None)  # a commit before named_config: RECIPES held makers
+                grpo = named("grpo") if named else module.RECIPES["grpo"][1]()
+                hp = dataclasses.replace(grpo.rloo, rloo_k=k)
                 module.rloo_step(trained, policy, optimizer, queries, responses, rewards, hp=hp, **common)
             times[side, "update"].append(time.perf_counter() - start)
             torch.Tensor.backward = backward

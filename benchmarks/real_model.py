@@ -136,7 +136,7 @@ sys.path.insert(0, os.getcwd())
 script = __import__(os.path.basename(sys.argv[1])[:-3])
 argv = sys.argv[2:]
 recipe = argv[0] if argv and argv[0] in script.RECIPES else None
-args = tyro.cli(script.Args, args=argv[1:] if recipe else argv, default=script.RECIPES[recipe][1]() if recipe else None)
+args = tyro.cli(script.Args, args=argv[1:] if recipe else argv, default=script.named_config(recipe) if recipe else None)
 now, inside, out = {}, [], open(os.path.join(args.output_dir, "splits.jsonl"), "w")
 sync = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None  # on a GPU, time the work, not launches
 def add(key, value):

@@ -302,7 +302,7 @@ def test_the_docs_table_of_configurations_is_the_code():
     assert set(rows) == set(rloo.RECIPES)
     for name, flags in rows.items():
         from_docs = tyro.cli(rloo.Args, args=[*shlex.split(flags), "--exp-name", name])
-        assert from_docs == rloo.RECIPES[name][1](), f"docs/rloo.md's {name} row: {flags}"
+        assert from_docs == rloo.named_config(name), f"docs/rloo.md's {name} row: {flags}"
 
 
 def test_a_named_configuration_runs_and_flags_after_it_override_it(tmp_path):
@@ -324,7 +324,7 @@ def test_trl_rloo_recipe_is_trls_rlootrainer_over_two_mini_batches():
     mini-batches make the second off-policy, so the sequence ratio's clip acts; the former recipe (token ratios,
     dr_grpo's sum over responses x max length) gave 1/T of the first mini-batch's update and no such clip."""
     k, lr = 2, 1.0
-    hp = rloo.RECIPES["trl_rloo"][1]().rloo
+    hp = rloo.named_config("trl_rloo").rloo
     hp.max_grad_norm, hp.num_mini_batches = 1e9, 2
     tokenizer, model, ref, queries, responses, rewards = setup()
     before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])

@@ -1,0 +1,79 @@
+"""What a newcomer meets first: --help names the named configurations and the flags most runs set, a configuration
+is taken before or after the flags and a misspelt one is one line, the run folder is said at the start, a reward that
+never varies is said once, and a reward function with the wrong signature is told the right one."""
+
+import json
+
+import pytest
+
+import interleave
+import rloo
+from conftest import run_script
+
+SHORT = ["--total-episodes", "64", "--batch-size", "16", "--eval-every", "100"]
+
+
+def test_help_names_every_configuration_and_the_common_flags():
+    text = run_script("rloo.py", "--help").stdout
+    head = text[:text.index("--exp-name")]  # before the full list of flags
+    for name, (description, _) in rloo.RECIPES.items():
+        assert f"{name}: {description}" in head
+    for flag in ("--model", "--dataset", "--prompt-fn", "--reward-fn", "--total-episodes", "--output-dir"):
+        assert flag in head
+    assert "2560 are 10" in head  # a short run, worked out: 10 iterations of the default batch
+    text = run_script("interleave.py", "--help").stdout
+    assert all(f"{name}: {description}" in text for name, (description, _) in interleave.RECIPES.items())
+    assert "--total-episodes" in run_script("ppo.py", "--help").stdout.split("--exp-name")[0]
+
+
+@pytest.mark.parametrize("script, word, closest", [("rloo.py", "gpro", "gspo or grpo"), ("rloo.py", "GRPO", "grpo"),
+                                                   ("interleave.py", "sft-then-r", "sft-then-rl")])
+def test_a_misspelt_configuration_is_one_line_naming_the_closest_and_all(script, word, closest):
+    result = run_script(script, "--seed", "2", word)
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines() == [
+        f"error: the named configuration {word!r}: did you mean {closest}? there are "
+        f"{', '.join((rloo if script == 'rloo.py' else interleave).RECIPES)} (before or after the flags)"]
+
+
+def test_a_configuration_after_the_flags_is_taken_and_a_flag_value_is_not_one(tmp_path):
+    result = run_script("rloo.py", *SHORT, "--rloo-k", "2", "grpo", "--output-dir", tmp_path / "a")
+    assert result.returncode == 0, result.stderr[-3000:]
+    config = json.loads((tmp_path / "a" / "config.json").read_text())
+    assert config["exp_name"] == "grpo" and config["rloo"]["loss_type"] == "grpo" and config["rloo"]["rloo_k"] == 2
+    args = rloo.parse_args(rloo.Args, {name: (text, rloo.named_config(name)) for name, (text, _) in
+                                       rloo.RECIPES.items()}, ["--exp-name", "grpo"], "")
+    assert args.exp_name == "grpo" and args.rloo.loss_type == "dapo"  # a value, not the configuration
+
+
+REWARDS = """
+def score_yes(prompts, completions, **kwargs):
+    return [1.0 if "yes" in c else 0.0 for c in completions]
+
+
+def score_length(prompts, completions, **kwargs):
+    return [float(len(c)) for c in completions]
+"""
+
+
+@pytest.mark.parametrize("script", ["rloo.py", "ppo.py"])
+def test_the_run_folder_first_and_a_reward_that_never_varies_said_once(script, tmp_path):
+    """The built-in model writes digits and +-*= only: a reward for 'yes' is 0 for every completion."""
+    (tmp_path / "rewards.py").write_text(REWARDS)
+    result = run_script(script, *SHORT, "--reward-fn", f"{tmp_path / 'rewards.py'}:score_yes", "--output-dir",
+                        tmp_path / "run", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("warning: every completion of the first 3 iterations scored 0: nothing to learn "
+                               "from; check that the reward can score what the model writes (the built-in model "
+                               "writes digits and +-*= only)") == 1
+    assert result.stdout.index(f"run folder: {tmp_path / 'run'}") < result.stdout.index("iteration 0")
+    result = run_script(script, *SHORT, "--reward-fn", f"{tmp_path / 'rewards.py'}:score_length", "--output-dir",
+                        tmp_path / "varies", cwd=tmp_path)
+    assert result.returncode == 0 and "warning: every completion" not in result.stdout
+
+
+def test_a_reward_with_the_wrong_signature_is_told_the_right_one(tmp_path):
+    (tmp_path / "bad.py").write_text("def score(prompts):\n    return [0.0] * len(prompts)\n")
+    result = run_script("rloo.py", *SHORT, "--reward-fn", f"{tmp_path / 'bad.py'}:score", "--output-dir", tmp_path)
+    assert result.returncode != 0
+    assert "(called as fn(prompts, completions, completion_ids, **columns)" in result.stderr.strip().splitlines()[-1]
