@@ -758,6 +758,7 @@ def average_metrics(metrics: dict, device: torch.device, counts: tuple[str, ...]
 def open_run(args, output_dir: Path, start: int, run_name: str) -> tuple[Path, Any]:
     """config.json, metrics.jsonl and samples.jsonl cut to the rows before `start`, wandb with --track. Rank 0 only."""
     output_dir.mkdir(parents=True, exist_ok=True)
+    print(f"run folder: {output_dir}", flush=True)
     (output_dir / "config.json").write_text(json.dumps(asdict(args), indent=2))
     for log in (output_dir / "metrics.jsonl", output_dir / "samples.jsonl"):
         rows = log.read_text().splitlines() if start > 1 and log.exists() else []
