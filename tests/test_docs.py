@@ -49,7 +49,7 @@ TINY = {
 HELP_ONLY = {"benchmarks/vs_trl.py", "benchmarks/before_after.py", "benchmarks/memory.py", "benchmarks/real_model.py",
              "benchmarks/grpo_family.py"}
 HUB_MODELS = {"Qwen/Qwen2.5-0.5B-Instruct", "Qwen/Qwen2.5-0.5B", "Qwen/Qwen2.5-1.5B-Instruct",
-              "Qwen/Qwen2.5-7B-Instruct", "./my-sft-model"}
+              "Qwen/Qwen2.5-7B-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct", "./my-sft-model"}
 FENCE = re.compile(r"^```(\w*)([^\n]*)\n(.*?)^```", re.M | re.S)
 
 
@@ -125,6 +125,7 @@ def test_every_command_runs(page, tmp_path, stand_ins):
         for name, body in page_files((ROOT / "docs" / "custom.md").read_text()).items():
             if not (tmp_path / name).exists():
                 (tmp_path / name).write_text(body)
+    (tmp_path / "examples").symlink_to(ROOT / "examples")  # as from the repository: --reward-fn examples/...
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     helps = {}  # a help-only script's --help, run once per page
     for words in page_commands(text):
