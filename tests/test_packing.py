@@ -12,6 +12,7 @@ import copy
 import pytest
 import torch
 from transformers import (
+    AutoModelForCausalLM,
     BloomConfig,
     BloomForCausalLM,
     FalconConfig,
@@ -22,6 +23,7 @@ from transformers import (
     GPT2LMHeadModel,
     Lfm2Config,
     Lfm2ForCausalLM,
+    LlamaConfig,
     MistralConfig,
     MistralForCausalLM,
     MptConfig,
@@ -135,6 +137,22 @@ def test_long_responses_go_in_segments_of_fewer_each_after_a_copy_of_the_prompt(
         with padded(ppo, model):
             plain = ppo.response_logprobs(model, queries, query_mask, responses, valid, 1.0)[0]
     assert (packed - plain).abs().max() < 1e-5
+
+
+def test_at_a_reasoning_shape_of_smollm2_a_group_goes_in_two_segments_of_four():
+    """What docs/ppo.md says the cost picks at SmolLM2's hidden size (576): 4 prompts of 150-250 tokens, 8 responses
+    of 150-256 each, go in 8 segments of 4 responses (a copy of each prompt per 4)."""
+    config = LlamaConfig(vocab_size=64, hidden_size=576, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=4096)
+    config._attn_implementation = "sdpa"
+    model = AutoModelForCausalLM.from_config(config)
+    for seed in range(3):
+        g = torch.Generator().manual_seed(seed)
+        n_q, n_r = torch.randint(150, 251, (4,), generator=g), torch.randint(150, 257, (32,), generator=g)
+        query_mask = torch.arange(int(n_q.max()))[None] >= (n_q.max() - n_q)[:, None]  # left padding
+        valid = torch.arange(256)[None] < n_r[:, None]
+        inputs, _ = ppo.pack_segments(model, query_mask * 5, query_mask, valid * 7, valid)
+        assert int(((inputs["position_ids"] == 0) & (inputs["input_ids"] == 5)).sum()) == 8
 
 
 def test_a_batch_with_no_response_token_gives_zeros():
