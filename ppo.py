@@ -542,9 +542,9 @@ def main(args: Args) -> None:
         rows = rows[rank * local_batch:(rank + 1) * local_batch]
         with autocast(hp.dtype, device):
             out = rollout(policy, tokenizer, rows, sample, gen.stop_strings, task)
-        check_scores_vary(out["scores"].to(device), spreads, args.model == "builtin", rank)  # said once if never
         # 9. Update: the scores (with a PRM, per-token process rewards too) go into one ppo_step.
         rewards = token_rewards(out["scores"], out["masks"], out["process"], args.task.prm_weight)
+        check_scores_vary(rewards.view(len(rewards), -1).sum(1).to(device), spreads, args.model == "builtin", rank)
         try:
             metrics = ppo_step(policy, value_model, ref_policy, optimizer, out["queries"], out["responses"], rewards,
                                out["masks"], hp=hp, pad_token_id=tokenizer.pad_token_id,
@@ -1211,16 +1211,16 @@ def stop_check(tokenizer, stop_strings: list[str]) -> Callable:
 
 
 def check_scores_vary(scores: torch.Tensor, spreads: list, builtin_model: bool, rank: int, first: int = 3) -> None:
-    """The spread of each of the first iterations' scores [B] over all processes; where none varied, one line says so
-    (rank 0): every advantage is 0 and nothing is learnt (a reward that cannot fire, a format never written)."""
+    """The spread of each of the first iterations' rewards [B] (scores and process rewards) over all processes; where
+    none varied, one line says so (rank 0): every advantage is 0, nothing is learnt (a reward that cannot fire)."""
     if len(spreads) < first:
         spread = torch.stack([scores.max(), -scores.min()])
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(spread, op=torch.distributed.ReduceOp.MAX)
         spreads.append(spread.sum().item())
         if len(spreads) == first and max(spreads) == 0 and rank == 0:
-            tqdm.write(f"warning: every completion of the first {first} iterations scored {scores[0].item():g}: "
-                       "nothing to learn from; check that the reward can score what the model writes" + (" (the "
+            tqdm.write(f"warning: the rewards of {first} iterations never varied (the last's all {scores[0].item():g})"
+                       ": nothing to learn from; check that the reward can score what the model writes" + (" (the "
                        "built-in model writes digits and +-*= only)" if builtin_model else ""))
 
 
@@ -1275,7 +1275,7 @@ def call_reward_fns(reward_fns: list, weights: list[float], prompts: list, compl
             out = list(fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns))
         except Exception as e:  # any error in user code becomes one line
             fail("--reward-fn", spec, f"the function raised {type(e).__name__}: {e}; fix the function (called as "
-                 "fn(prompts, completions, completion_ids, **columns), -> one float per completion: take **kwargs)")
+                 "fn(prompts=, completions=, completion_ids=, **columns), -> a float each: take **kwargs)")
         if len(out) != len(completions):
             fail("--reward-fn", spec, f"returned {len(out)} scores for {len(completions)} completions; return one "
                                       "float per completion")
@@ -1765,17 +1765,25 @@ def parse_args(cls, recipes: dict, argv: list[str], description: str) -> Any:
     the default)) wherever it stands, the other flags over it; --help lists them; a misspelt one is one line."""
     description += "".join(f"\n  {name}: {text}" for name, (text, _) in recipes.items())
     default = next(iter(recipes.values()))[1] if recipes else tyro.MISSING_NONPROP
-    _, unknown = tyro.cli(cls, args=[w for w in argv if w not in ("-h", "--help")], default=default,
-                          return_unknown_args=True)
-    named = [w for w in unknown if w in recipes][:1]
-    for word in [w for w in unknown if recipes and not w.startswith("-") and w not in named]:
-        close = " or ".join(difflib.get_close_matches(word.lower(), recipes, n=1 if word.lower() in recipes else 3,
-                                                      cutoff=0.6))
-        fail("the named configuration", word, f"{'did you mean ' + close + '? ' if close else ''}there are "
-             f"{', '.join(recipes)} (before or after the flags)")
-    if named:
-        argv = argv[:argv.index(named[0])] + argv[argv.index(named[0]) + 1:]
-        default = recipes[named[0]][1]
+
+    def left_over(words: list[str]) -> list[str] | None:  # the words no flag takes, --help aside (None: no parse)
+        try:
+            return tyro.cli(cls, args=[w for w in words if w not in ("-h", "--help")], default=default,
+                            return_unknown_args=True, console_outputs=False)[1]
+        except SystemExit:
+            return None
+
+    left = left_over(argv) or []
+    if recipes and left and not any(w.startswith("-") for w in left):  # (a misspelt flag: tyro's own message)
+        if len(left) > 1 or left[0] not in recipes:
+            word = next((w for w in left if w not in recipes), left[-1])
+            close = [] if word in recipes else difflib.get_close_matches(word.lower(), recipes, n=1 + 2 * (
+                word.lower() not in recipes), cutoff=0.6)
+            fail("the named configuration", word, f"{'did you mean ' + ' or '.join(close) + '? ' if close else ''}"
+                 f"name one of {', '.join(recipes)}, before or after the flags")
+        default = recipes[left[0]][1]
+        spots = [i for i, w in enumerate(argv) if w == left[0]]  # the one that no flag takes as its value
+        argv = next((argv[:i] + argv[i + 1:] for i in spots if left_over(argv[:i] + argv[i + 1:]) == []), argv)
     return tyro.cli(cls, args=argv, default=default, description=description)
 
 

@@ -218,7 +218,7 @@ class RLOOHParams:
     epsilon_high: float | None = None
     """clip the ratio to [1 - cliprange, 1 + epsilon_high] (DAPO's clip-higher; None: cliprange); cispo: its cap"""
     delta: float | None = None
-    """also cap the ratio at delta where the advantage is negative (INTELLECT-2's two-sided clip; None: off)"""
+    """cap the unclipped ratio at delta too: above 1 + epsilon_high, the ratio of negative advantages (INTELLECT-2)"""
     sapo_temperature_pos: float = 1.0
     """sapo: the gate's temperature for tokens of positive advantage"""
     sapo_temperature_neg: float = 1.05
@@ -555,7 +555,8 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
     params = [p for g in optimizer.param_groups for p in g["params"]]
     stats = {key: [] for key in ("policy/approxkl_avg", "policy/clipfrac_avg", "policy/clipfrac_low_avg",
                                  "policy/clipfrac_high_avg", "policy/entropy_avg", "loss/policy_avg", "loss/kl_avg",
-                                 "val/ratio", "policy/loss_token_frac")}  # one value per micro-batch
+                                 "val/ratio", "policy/loss_token_frac",
+                                 *["policy/vespo_phi_avg"] * (hp.loss_type == "vespo"))}  # one value per micro-batch
     mini, skipped = P // hp.num_mini_batches, 0
     for _ in range(hp.num_ppo_epochs):
         for mb in torch.randperm(P, device=device).split(mini):  # shuffled mini-batches of prompts
@@ -595,7 +596,7 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
                     stats["val/ratio"].append(masked_mean(ratio, t))
                     stats["policy/loss_token_frac"].append(masked_mean(keep.float(), t))
                     for key, value in extra.items():
-                        stats.setdefault(key, []).append(value.mean())
+                        stats[key].append(value.mean())
             if not step_or_skip(optimizer, params, global_sum(bad) > 0, hp.max_grad_norm, hp.skip_nonfinite):
                 skipped += 1
 
@@ -704,7 +705,7 @@ def main(args: Args) -> None:
                 (kept if signal else aside).append(group)
         if rounds > 1 or aside:  # one batch from several rounds; set-aside groups fill it where they ran out
             out = stack_groups((kept + aside)[:local_prompts], tokenizer.pad_token_id)
-        check_scores_vary(out["scores"].to(device), spreads, args.model == "builtin", rank)  # said once if never
+        check_scores_vary(out["rewards"].to(device), spreads, args.model == "builtin", rank)  # said once if never
         # 9. Update: one rloo_step on the batch.
         try:
             metrics = rloo_step(policy, ref_policy, optimizer, out["queries"], out["responses"], out["rewards"],
@@ -1370,16 +1371,16 @@ def stop_check(tokenizer, stop_strings: list[str]) -> Callable:
 
 
 def check_scores_vary(scores: torch.Tensor, spreads: list, builtin_model: bool, rank: int, first: int = 3) -> None:
-    """The spread of each of the first iterations' scores [B] over all processes; where none varied, one line says so
-    (rank 0): every advantage is 0 and nothing is learnt (a reward that cannot fire, a format never written)."""
+    """The spread of each of the first iterations' rewards [B] (scores and process rewards) over all processes; where
+    none varied, one line says so (rank 0): every advantage is 0, nothing is learnt (a reward that cannot fire)."""
     if len(spreads) < first:
         spread = torch.stack([scores.max(), -scores.min()])
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(spread, op=torch.distributed.ReduceOp.MAX)
         spreads.append(spread.sum().item())
         if len(spreads) == first and max(spreads) == 0 and rank == 0:
-            tqdm.write(f"warning: every completion of the first {first} iterations scored {scores[0].item():g}: "
-                       "nothing to learn from; check that the reward can score what the model writes" + (" (the "
+            tqdm.write(f"warning: the rewards of {first} iterations never varied (the last's all {scores[0].item():g})"
+                       ": nothing to learn from; check that the reward can score what the model writes" + (" (the "
                        "built-in model writes digits and +-*= only)" if builtin_model else ""))
 
 
@@ -1434,7 +1435,7 @@ def call_reward_fns(reward_fns: list, weights: list[float], prompts: list, compl
             out = list(fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns))
         except Exception as e:  # any error in user code becomes one line
             fail("--reward-fn", spec, f"the function raised {type(e).__name__}: {e}; fix the function (called as "
-                 "fn(prompts, completions, completion_ids, **columns), -> one float per completion: take **kwargs)")
+                 "fn(prompts=, completions=, completion_ids=, **columns), -> a float each: take **kwargs)")
         if len(out) != len(completions):
             fail("--reward-fn", spec, f"returned {len(out)} scores for {len(completions)} completions; return one "
                                       "float per completion")
@@ -1924,17 +1925,25 @@ def parse_args(cls, recipes: dict, argv: list[str], description: str) -> Any:
     the default)) wherever it stands, the other flags over it; --help lists them; a misspelt one is one line."""
     description += "".join(f"\n  {name}: {text}" for name, (text, _) in recipes.items())
     default = next(iter(recipes.values()))[1] if recipes else tyro.MISSING_NONPROP
-    _, unknown = tyro.cli(cls, args=[w for w in argv if w not in ("-h", "--help")], default=default,
-                          return_unknown_args=True)
-    named = [w for w in unknown if w in recipes][:1]
-    for word in [w for w in unknown if recipes and not w.startswith("-") and w not in named]:
-        close = " or ".join(difflib.get_close_matches(word.lower(), recipes, n=1 if word.lower() in recipes else 3,
-                                                      cutoff=0.6))
-        fail("the named configuration", word, f"{'did you mean ' + close + '? ' if close else ''}there are "
-             f"{', '.join(recipes)} (before or after the flags)")
-    if named:
-        argv = argv[:argv.index(named[0])] + argv[argv.index(named[0]) + 1:]
-        default = recipes[named[0]][1]
+
+    def left_over(words: list[str]) -> list[str] | None:  # the words no flag takes, --help aside (None: no parse)
+        try:
+            return tyro.cli(cls, args=[w for w in words if w not in ("-h", "--help")], default=default,
+                            return_unknown_args=True, console_outputs=False)[1]
+        except SystemExit:
+            return None
+
+    left = left_over(argv) or []
+    if recipes and left and not any(w.startswith("-") for w in left):  # (a misspelt flag: tyro's own message)
+        if len(left) > 1 or left[0] not in recipes:
+            word = next((w for w in left if w not in recipes), left[-1])
+            close = [] if word in recipes else difflib.get_close_matches(word.lower(), recipes, n=1 + 2 * (
+                word.lower() not in recipes), cutoff=0.6)
+            fail("the named configuration", word, f"{'did you mean ' + ' or '.join(close) + '? ' if close else ''}"
+                 f"name one of {', '.join(recipes)}, before or after the flags")
+        default = recipes[left[0]][1]
+        spots = [i for i, w in enumerate(argv) if w == left[0]]  # the one that no flag takes as its value
+        argv = next((argv[:i] + argv[i + 1:] for i in spots if left_over(argv[:i] + argv[i + 1:]) == []), argv)
     return tyro.cli(cls, args=argv, default=default, description=description)
 
 

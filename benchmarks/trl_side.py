@@ -28,7 +28,7 @@ parts in OUT/splits.jsonl, in the keys of real_model.py's PROFILE (N is not used
 
     benchmarks/.trl116-venv/bin/python benchmarks/trl_side.py grpo-losses FOLDER
 
-grpo-losses is tests/test_grpo_family.py's TRL 1.16 side: GRPOTrainer's own loss on the test's batch (grpo_losses).
+grpo-losses is tests/test_grpo_losses.py's TRL 1.16 side: GRPOTrainer's own loss on the test's batch (grpo_losses).
 """
 
 import gc

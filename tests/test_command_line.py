@@ -32,8 +32,8 @@ def test_a_misspelt_configuration_is_one_line_naming_the_closest_and_all(script,
     result = run_script(script, "--seed", "2", word)
     assert result.returncode != 0
     assert result.stderr.strip().splitlines() == [
-        f"error: the named configuration {word!r}: did you mean {closest}? there are "
-        f"{', '.join((rloo if script == 'rloo.py' else interleave).RECIPES)} (before or after the flags)"]
+        f"error: the named configuration {word!r}: did you mean {closest}? name one of "
+        f"{', '.join((rloo if script == 'rloo.py' else interleave).RECIPES)}, before or after the flags"]
 
 
 def test_a_configuration_after_the_flags_is_taken_and_a_flag_value_is_not_one(tmp_path):
@@ -44,6 +44,17 @@ def test_a_configuration_after_the_flags_is_taken_and_a_flag_value_is_not_one(tm
     args = rloo.parse_args(rloo.Args, {name: (text, rloo.named_config(name)) for name, (text, _) in
                                        rloo.RECIPES.items()}, ["--exp-name", "grpo"], "")
     assert args.exp_name == "grpo" and args.rloo.loss_type == "dapo"  # a value, not the configuration
+
+
+def test_a_configuration_named_twice_and_a_name_that_is_also_a_value():
+    configs = {name: (text, rloo.named_config(name)) for name, (text, _) in rloo.RECIPES.items()}
+    args = rloo.parse_args(rloo.Args, configs, ["--loss-type", "dapo", "--rloo-k", "8", "dapo"], "")
+    assert args.exp_name == "dapo" and args.dynamic_sampling and args.rloo.rloo_k == 8
+    with pytest.raises(SystemExit, match="error: the named configuration 'dapo': name one of rloo, "):
+        rloo.parse_args(rloo.Args, configs, ["grpo", "dapo"], "")
+    args = rloo.parse_args(interleave.Args, interleave.RECIPES, ["--schedule", "weighted", "--seed", "3", "weighted"],
+                           "")
+    assert args.schedule == "weighted" and args.rloo.turn.weight == 2.0 and args.seed == 3
 
 
 REWARDS = """
@@ -63,17 +74,17 @@ def test_the_run_folder_first_and_a_reward_that_never_varies_said_once(script, t
     result = run_script(script, *SHORT, "--reward-fn", f"{tmp_path / 'rewards.py'}:score_yes", "--output-dir",
                         tmp_path / "run", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.count("warning: every completion of the first 3 iterations scored 0: nothing to learn "
-                               "from; check that the reward can score what the model writes (the built-in model "
-                               "writes digits and +-*= only)") == 1
+    assert result.stdout.count("warning: the rewards of 3 iterations never varied (the last's all 0): nothing to "
+                               "learn from; check that the reward can score what the model writes (the built-in "
+                               "model writes digits and +-*= only)") == 1
     assert result.stdout.index(f"run folder: {tmp_path / 'run'}") < result.stdout.index("iteration 0")
     result = run_script(script, *SHORT, "--reward-fn", f"{tmp_path / 'rewards.py'}:score_length", "--output-dir",
                         tmp_path / "varies", cwd=tmp_path)
-    assert result.returncode == 0 and "warning: every completion" not in result.stdout
+    assert result.returncode == 0 and "never varied" not in result.stdout
 
 
 def test_a_reward_with_the_wrong_signature_is_told_the_right_one(tmp_path):
     (tmp_path / "bad.py").write_text("def score(prompts):\n    return [0.0] * len(prompts)\n")
     result = run_script("rloo.py", *SHORT, "--reward-fn", f"{tmp_path / 'bad.py'}:score", "--output-dir", tmp_path)
     assert result.returncode != 0
-    assert "(called as fn(prompts, completions, completion_ids, **columns)" in result.stderr.strip().splitlines()[-1]
+    assert "(called as fn(prompts=, completions=, completion_ids=, **columns)" in result.stderr.strip().splitlines()[-1]
