@@ -650,8 +650,9 @@ def main(args: Args) -> None:
     per_response = hp.importance_sampling_level != "token"  # TRL's warnings
     if rank == 0 and (per_response and hp.loss_type not in ("grpo", "sapo", "luspo") or hp.loss_type == "luspo" and
                       not per_response):
-        print(f"note: --loss-type {hp.loss_type} with --importance-sampling-level {hp.importance_sampling_level}: "
-              "GSPO, LUSPO and TRL's RLOOTrainer take a ratio per response, VESPO and the token sums a ratio per token")
+        print(f"note: --loss-type {hp.loss_type} with --importance-sampling-level {hp.importance_sampling_level}: " + (
+            "each response's one loss weighed by its length (GSPO: grpo; VESPO: token)" if per_response else "LUSPO "
+            "takes a ratio per response (--importance-sampling-level sequence)"))
     local_prompts = args.batch_size // (hp.rloo_k * world)
     if args.batch_size % (hp.rloo_k * world) or local_prompts % (hp.num_mini_batches * hp.gradient_accumulation_steps):
         fail("--batch-size", args.batch_size, f"must be divisible by --rloo-k ({hp.rloo_k}) x {world} process(es) x "
@@ -1921,10 +1922,12 @@ def named_config(name: str) -> Args:
 
 
 def parse_args(cls, recipes: dict, argv: list[str], description: str) -> Any:
-    """The command line's config of cls: a named configuration (recipes: name -> (what it is, its config; the first
-    the default)) wherever it stands, the other flags over it; --help lists them; a misspelt one is one line."""
+    """The command line's config of cls: a named configuration (recipes: name -> (what it is, its config or what makes
+    it; the first the default)) wherever it stands, the other flags over it; --help lists them; a misspelt one is one
+    line."""
+    config = lambda name: recipes[name][1]() if callable(recipes[name][1]) else recipes[name][1]  # made when named
     description += "".join(f"\n  {name}: {text}" for name, (text, _) in recipes.items())
-    default = next(iter(recipes.values()))[1] if recipes else tyro.MISSING_NONPROP
+    default = config(next(iter(recipes))) if recipes else tyro.MISSING_NONPROP
 
     def left_over(words: list[str]) -> list[str] | None:  # the words no flag takes, --help aside (None: no parse)
         try:
@@ -1941,14 +1944,14 @@ def parse_args(cls, recipes: dict, argv: list[str], description: str) -> Any:
                 word.lower() not in recipes), cutoff=0.6)
             fail("the named configuration", word, f"{'did you mean ' + ' or '.join(close) + '? ' if close else ''}"
                  f"name one of {', '.join(recipes)}, before or after the flags")
-        default = recipes[left[0]][1]
+        default = config(left[0])
         spots = [i for i, w in enumerate(argv) if w == left[0]]  # the one that no flag takes as its value
         argv = next((argv[:i] + argv[i + 1:] for i in spots if left_over(argv[:i] + argv[i + 1:]) == []), argv)
     return tyro.cli(cls, args=argv, default=default, description=description)
 
 
 if __name__ == "__main__":
-    configs = {name: (text, named_config(name)) for name, (text, _) in RECIPES.items()}
+    configs = {name: (text, functools.partial(named_config, name)) for name, (text, _) in RECIPES.items()}
     main(parse_args(Args, configs, sys.argv[1:], f"{Args.__doc__}\n\nMost runs set --model, --dataset or --prompt-fn, "
                     f"--reward-fn or --reward-model, --total-episodes (iterations = episodes / --batch-size: "
                     f"{10 * Args.batch_size} are 10) and --output-dir." + "\n\nNamed configurations (NAME [flags], the "

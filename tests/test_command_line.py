@@ -26,32 +26,30 @@ def test_help_names_every_configuration_and_the_common_flags():
     assert "--total-episodes" in run_script("ppo.py", "--help").stdout.split("--exp-name")[0]
 
 
-@pytest.mark.parametrize("script, word, closest", [("rloo.py", "gpro", "gspo or grpo"), ("rloo.py", "GRPO", "grpo"),
-                                                   ("interleave.py", "sft-then-r", "sft-then-rl")])
-def test_a_misspelt_configuration_is_one_line_naming_the_closest_and_all(script, word, closest):
-    result = run_script(script, "--seed", "2", word)
+CONFIGS = {name: (text, rloo.named_config(name)) for name, (text, _) in rloo.RECIPES.items()}
+
+
+def test_a_misspelt_configuration_is_one_line_naming_the_closest_and_all():
+    result = run_script("rloo.py", "--seed", "2", "gpro")
     assert result.returncode != 0
     assert result.stderr.strip().splitlines() == [
-        f"error: the named configuration {word!r}: did you mean {closest}? name one of "
-        f"{', '.join((rloo if script == 'rloo.py' else interleave).RECIPES)}, before or after the flags"]
-
-
-def test_a_configuration_after_the_flags_is_taken_and_a_flag_value_is_not_one(tmp_path):
-    result = run_script("rloo.py", *SHORT, "--rloo-k", "2", "grpo", "--output-dir", tmp_path / "a")
-    assert result.returncode == 0, result.stderr[-3000:]
-    config = json.loads((tmp_path / "a" / "config.json").read_text())
-    assert config["exp_name"] == "grpo" and config["rloo"]["loss_type"] == "grpo" and config["rloo"]["rloo_k"] == 2
-    args = rloo.parse_args(rloo.Args, {name: (text, rloo.named_config(name)) for name, (text, _) in
-                                       rloo.RECIPES.items()}, ["--exp-name", "grpo"], "")
-    assert args.exp_name == "grpo" and args.rloo.loss_type == "dapo"  # a value, not the configuration
-
-
-def test_a_configuration_named_twice_and_a_name_that_is_also_a_value():
-    configs = {name: (text, rloo.named_config(name)) for name, (text, _) in rloo.RECIPES.items()}
-    args = rloo.parse_args(rloo.Args, configs, ["--loss-type", "dapo", "--rloo-k", "8", "dapo"], "")
-    assert args.exp_name == "dapo" and args.dynamic_sampling and args.rloo.rloo_k == 8
+        f"error: the named configuration 'gpro': did you mean gspo or grpo? name one of {', '.join(rloo.RECIPES)}, "
+        "before or after the flags"]
+    with pytest.raises(SystemExit, match="error: the named configuration 'GRPO': did you mean grpo\\? name one of"):
+        rloo.parse_args(rloo.Args, CONFIGS, ["GRPO"], "")
+    with pytest.raises(SystemExit, match="'sft-then-r': did you mean sft-then-rl\\? name one of interleaved, "):
+        rloo.parse_args(interleave.Args, interleave.RECIPES, ["sft-then-r"], "")
     with pytest.raises(SystemExit, match="error: the named configuration 'dapo': name one of rloo, "):
-        rloo.parse_args(rloo.Args, configs, ["grpo", "dapo"], "")
+        rloo.parse_args(rloo.Args, CONFIGS, ["grpo", "dapo"], "")
+
+
+def test_a_configuration_stands_anywhere_and_a_name_that_is_a_flag_value_is_not_one():
+    args = rloo.parse_args(rloo.Args, CONFIGS, ["--rloo-k", "2", "grpo", "--seed", "3"], "")
+    assert args.exp_name == "grpo" and args.rloo.loss_type == "grpo" and args.rloo.rloo_k == 2 and args.seed == 3
+    args = rloo.parse_args(rloo.Args, CONFIGS, ["--exp-name", "grpo"], "")
+    assert args.exp_name == "grpo" and args.rloo.loss_type == "dapo"  # a value, not the configuration
+    args = rloo.parse_args(rloo.Args, CONFIGS, ["--loss-type", "dapo", "--rloo-k", "8", "dapo"], "")
+    assert args.exp_name == "dapo" and args.dynamic_sampling and args.rloo.rloo_k == 8
     args = rloo.parse_args(interleave.Args, interleave.RECIPES, ["--schedule", "weighted", "--seed", "3", "weighted"],
                            "")
     assert args.schedule == "weighted" and args.rloo.turn.weight == 2.0 and args.seed == 3
@@ -67,20 +65,22 @@ def score_length(prompts, completions, **kwargs):
 """
 
 
-@pytest.mark.parametrize("script", ["rloo.py", "ppo.py"])
-def test_the_run_folder_first_and_a_reward_that_never_varies_said_once(script, tmp_path):
-    """The built-in model writes digits and +-*= only: a reward for 'yes' is 0 for every completion."""
+def test_the_run_folder_first_and_a_reward_that_never_varies_said_once(tmp_path):
+    """The built-in model writes digits and +-*= only: a reward for 'yes' is 0 for every completion. The
+    configuration after the flags is the run's."""
     (tmp_path / "rewards.py").write_text(REWARDS)
-    result = run_script(script, *SHORT, "--reward-fn", f"{tmp_path / 'rewards.py'}:score_yes", "--output-dir",
-                        tmp_path / "run", cwd=tmp_path)
+    result = run_script("rloo.py", *SHORT, "--reward-fn", f"{tmp_path / 'rewards.py'}:score_yes", "--output-dir",
+                        tmp_path / "run", "grpo", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("warning: the rewards of 3 iterations never varied (the last's all 0): nothing to "
                                "learn from; check that the reward can score what the model writes (the built-in "
                                "model writes digits and +-*= only)") == 1
     assert result.stdout.index(f"run folder: {tmp_path / 'run'}") < result.stdout.index("iteration 0")
-    result = run_script(script, *SHORT, "--reward-fn", f"{tmp_path / 'rewards.py'}:score_length", "--output-dir",
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["exp_name"] == "grpo"
+    result = run_script("ppo.py", *SHORT, "--reward-fn", f"{tmp_path / 'rewards.py'}:score_length", "--output-dir",
                         tmp_path / "varies", cwd=tmp_path)
     assert result.returncode == 0 and "never varied" not in result.stdout
+    assert result.stdout.index(f"run folder: {tmp_path / 'varies'}") < result.stdout.index("iteration 0")
 
 
 def test_a_reward_with_the_wrong_signature_is_told_the_right_one(tmp_path):

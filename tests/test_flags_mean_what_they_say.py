@@ -68,7 +68,8 @@ def test_learning_rate_zero_means_zero_and_a_sequence_ratio_with_a_token_loss_is
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["lr"] for r in rows[1:]] == [0.0, 0.0]
-    assert result.stdout.count("note: --importance-sampling-level sequence gives each response one loss") == 1
+    assert result.stdout.count("note: --loss-type dapo with --importance-sampling-level sequence: each response's "
+                               "one loss weighed by its length (GSPO: grpo; VESPO: token)") == 1
     torch.manual_seed(1)  # the run's seed: its initial weights
     initial = ppo.build_tiny_model(ppo.build_tokenizer()).state_dict()
     trained = ppo.AutoModelForCausalLM.from_pretrained(tmp_path / "model").state_dict()

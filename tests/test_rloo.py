@@ -93,7 +93,7 @@ EXPECTED = {"objective/kl", "objective/entropy", "objective/non_score_reward", "
             "objective/scores", "policy/approxkl_avg", "policy/clipfrac_avg", "policy/entropy_avg", "loss/policy_avg",
             "loss/kl_avg", "val/ratio", "val/ratio_var", "val/num_eos_tokens", "val/response_length",
             "policy/clipfrac_low_avg", "policy/clipfrac_high_avg", "val/truncated_frac", "rloo/baseline_avg",
-            "rloo/advantage_std", "rloo/frac_equal_groups", "loss/nonfinite_skipped"}
+            "rloo/advantage_std", "rloo/frac_equal_groups", "loss/nonfinite_skipped", "policy/loss_token_frac"}
 
 
 @pytest.mark.parametrize("hp", [rloo.RLOOHParams(), rloo.RLOOHParams(kl_in_reward=False, kl_estimator="k3"),
