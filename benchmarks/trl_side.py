@@ -19,6 +19,11 @@ grpo-real is benchmarks/real_model.py --vs-trl's TRL side: TRL's GRPOTrainer on 
 and test splits, reward.py) with `rloo.py grpo`'s settings, evaluated by ppo.py's own `evaluate` (greedy, the 200
 held-out sums) before training and every EVAL_EVERY steps, writing OUT/metrics.jsonl rows as our scripts write them.
 
+    benchmarks/.trl116-venv/bin/python benchmarks/trl_side.py grpo-gym EPISODES MODEL_FOLDER TASK_FOLDER OUT EVAL_EVERY N
+
+grpo-gym is the same for docs/custom.md's reasoning-gym run: a folder written by examples/reasoning_gym.py, its reward
+`score`, up to 256 new tokens, N held-out rows evaluated.
+
     benchmarks/.trl116-venv/bin/python benchmarks/trl_side.py grpo-lengths EPISODES MODEL_FOLDER TASK_FOLDER OUT N
     benchmarks/.trl-venv/bin/python benchmarks/trl_side.py ppo-lengths EPISODES MODEL_FOLDER TASK_FOLDER OUT N
 
@@ -138,28 +143,30 @@ def grpo_config(out: Path, episodes: int, completion_tokens: int):
                       scale_rewards="group", num_iterations=1, max_steps=episodes // 32)
 
 
-def grpo_real(episodes: int, model: Path, data: Path, out: Path, eval_every: int) -> None:
+def grpo_real(episodes: int, model: Path, data: Path, out: Path, eval_every: int, reward_spec: str = "",
+              completion_tokens: int = 16, num_eval: int = 200) -> None:
     """TRL's GRPOTrainer with rloo.py grpo's settings on real_model.py's task: 32 completions a step as 8 prompts x 4,
     16 new tokens, temperature 1, lr 2e-5 decaying linearly, AdamW (eps 1e-5, no weight decay, as ours), beta 0.04
     with k3 in the loss (use_bias_correction_kl off: TRL 1.12's default multiplies the k3 term by the importance
     ratio, whose gradient makes it rloo.py's --kl-estimator k2), group std scaling, loss_type grpo, one update per
     generation, fp32, no checkpointing. One metrics row per step (iteration, episode, elapsed_s: seconds since
     training began, evaluations included, as ours); evaluations add eval/scores and task/accuracy from ppo.py's
-    evaluate on the model being trained."""
+    evaluate on the model being trained. grpo-gym passes reasoning-gym's reward (examples/reasoning_gym.py:score, its
+    task's `entry` column reaching it as TRL passes a dataset's columns), 256 new tokens and the test split's rows."""
     from trl import GRPOTrainer
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import ppo
 
     tokenizer = AutoTokenizer.from_pretrained(model)
-    spec = f"{data / 'reward.py'}:score"
+    spec = reward_spec or f"{data / 'reward.py'}:score"
     reward = ppo.load_callable(spec, "--reward-fn")
-    task_args = ppo.TaskArgs(dataset=str(data), dataset_split="train", eval_split="test", num_eval_prompts=200,
+    task_args = ppo.TaskArgs(dataset=str(data), dataset_split="train", eval_split="test", num_eval_prompts=num_eval,
                              reward_fn=[spec])
     eval_tokenizer = AutoTokenizer.from_pretrained(model, padding_side="left")
     eval_tokenizer.pad_token = eval_tokenizer.pad_token or eval_tokenizer.eos_token
-    task = ppo.load_task(task_args, eval_tokenizer, 10**9, 16)
-    greedy = ppo.generation_configs(ppo.GenArgs(max_new_tokens=16), eval_tokenizer, 1.0)[1]
+    task = ppo.load_task(task_args, eval_tokenizer, 10**9, completion_tokens)
+    greedy = ppo.generation_configs(ppo.GenArgs(max_new_tokens=completion_tokens), eval_tokenizer, 1.0)[1]
     out.mkdir(parents=True, exist_ok=True)
     log = (out / "metrics.jsonl").open("w")
 
@@ -186,7 +193,7 @@ def grpo_real(episodes: int, model: Path, data: Path, out: Path, eval_every: int
             log.flush()
 
     ds = Dataset.from_json(str(data / "train.jsonl"))
-    config = grpo_config(out, episodes, 16)
+    config = grpo_config(out, episodes, completion_tokens)
     trainer = GRPOTrainer(model=str(model), reward_funcs=reward, args=config, train_dataset=ds,
                           processing_class=tokenizer, callbacks=[Evaluate()])
     ref = trainer.ref_model.dtype if trainer.ref_model is not None else None
@@ -386,6 +393,9 @@ def main() -> None:
         return side(int(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4]), Path(sys.argv[5]))
     if sys.argv[1] == "grpo-real":
         return grpo_real(int(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4]), Path(sys.argv[5]), int(sys.argv[6]))
+    if sys.argv[1] == "grpo-gym":
+        return grpo_real(int(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4]), Path(sys.argv[5]), int(sys.argv[6]),
+                         "examples/reasoning_gym.py:score", 256, int(sys.argv[7]))
     if sys.argv[1] == "rloo-learn":
         return learn(int(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]))
     algo, iterations, art = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
