@@ -1221,9 +1221,13 @@ def logprobs_on_support(models: list[tuple], tokens: torch.Tensor, temperature: 
 
 def generation_configs(gen: GenArgs, tokenizer, temperature: float, top_k: int = 0, top_p: float = 1.0,
                        min_p: float = 0.0) -> tuple[GenerationConfig, GenerationConfig]:
-    """The rollouts' sampling and evaluation's greedy GenerationConfig, every filter set (the off-policy note once)."""
-    if off_policy_note(gen) and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
-        print_once(off_policy_note(gen))
+    """The rollouts' sampling and evaluation's greedy GenerationConfig, every filter set; one line, once (rank 0),
+    names the settings that make the update off-policy (a repetition penalty, a minimum length)."""
+    flags = [f"--{name.replace('_', '-')} {getattr(gen, name)}" for name, off in (("min_new_tokens", 0),
+             ("repetition_penalty", 1.0)) if getattr(gen, name) != off]
+    if flags and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
+        print_once(f"note: {', '.join(flags)} change what is sampled, but the update's logprobs do not see them: it "
+                   "is off-policy, and its ratios do not correct for that")
     common = dict(max_new_tokens=gen.max_new_tokens, min_new_tokens=gen.min_new_tokens or None, typical_p=1.0,
                   epsilon_cutoff=0.0, eta_cutoff=0.0, no_repeat_ngram_size=0, encoder_repetition_penalty=1.0,
                   pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
@@ -1231,14 +1235,6 @@ def generation_configs(gen: GenArgs, tokenizer, temperature: float, top_k: int =
     sample = GenerationConfig(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                               repetition_penalty=gen.repetition_penalty, **common)
     return sample, GenerationConfig(do_sample=False, repetition_penalty=1.0, **common)
-
-
-def off_policy_note(gen: GenArgs) -> str:
-    """One line naming the settings that make the update off-policy (a repetition penalty, a minimum length), or ""."""
-    flags = [f"--{name.replace('_', '-')} {getattr(gen, name)}" for name, off in (("min_new_tokens", 0),
-             ("repetition_penalty", 1.0)) if getattr(gen, name) != off]
-    return (f"note: {', '.join(flags)} change what is sampled, but the update's logprobs do not see them: it is "
-            "off-policy, and its ratios do not correct for that") if flags else ""
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float,
@@ -1592,21 +1588,17 @@ def global_sum(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def sync_gradients(params: list[torch.nn.Parameter]) -> None:
-    """Average gradients over processes, as DistributedDataParallel does (FSDP has reduced its sharded ones)."""
+def step_or_skip(optimizer, params: list, nonfinite: bool, max_grad_norm: float, skip_nonfinite: bool) -> bool:
+    """Average the gradients over processes (as DistributedDataParallel does; FSDP has reduced its sharded ones), clip,
+    step; a NaN/inf loss or norm skips it, or raises FloatingPointError. True if it stepped."""
     grads = [p.grad for p in params if p.grad is not None and not hasattr(p.grad, "placements")]
-    if grads and torch.distributed.is_initialized():
+    if not nonfinite and grads and torch.distributed.is_initialized():
         flat = torch.cat([g.flatten() for g in grads])
         torch.distributed.all_reduce(flat)
         flat /= torch.distributed.get_world_size()
         for g, chunk in zip(grads, flat.split([g.numel() for g in grads])):
             g.copy_(chunk.view_as(g))
-
-
-def step_or_skip(optimizer, params: list, nonfinite: bool, max_grad_norm: float, skip_nonfinite: bool) -> bool:
-    """Average, clip, step; a NaN/inf loss or norm skips it, or raises FloatingPointError. True if it stepped."""
     if not nonfinite:
-        sync_gradients(params)
         nonfinite = not torch.isfinite(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
     if not nonfinite:
         optimizer.step()
@@ -1774,18 +1766,15 @@ def log_row(path: Path | None, run, row: dict, samples: list | None = None) -> N
         run.log(row, step=row["iteration"])
 
 
-def rng_states() -> dict:
-    """This process's random number generator states."""
+def rng_states(restore: dict | None = None) -> dict:
+    """This process's random number generator states, after setting them to `restore` (what it returned) if given."""
+    if restore is not None:
+        random.setstate(restore["python"])
+        torch.set_rng_state(restore["torch"])
+        if restore["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(restore["cuda"])
     return {"python": random.getstate(), "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
-
-
-def set_rng_states(states: dict) -> None:
-    """Restore what rng_states saved."""
-    random.setstate(states["python"])
-    torch.set_rng_state(states["torch"])
-    if states["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(states["cuda"])
 
 
 def plan_run(args) -> tuple[int, Path, str, Path | None]:
@@ -1810,7 +1799,7 @@ def resume_state(ckpt: Path | None, optimizer, seed: int, rank: int, run_name: s
     state = load_state(ckpt)
     load_optimizer_state(optimizer, state.pop("optimizer"))
     rngs = state.pop("rng")
-    set_rng_states(rngs[rank % len(rngs)])
+    rng_states(rngs[rank % len(rngs)])
     return state, state["iteration"] + 1
 
 
