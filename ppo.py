@@ -1117,13 +1117,6 @@ def next_token(logits: torch.Tensor, seen: torch.Tensor | None, gen: GenerationC
     return token, probs.gather(1, token[:, None])[:, 0].log()
 
 
-def decode_step(model, token: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
-                cache: DynamicCache | StaticCache) -> torch.Tensor:
-    """Logits [B, V] of one new token a row (token, position_ids [B, 1]) by the model's forward, filling the cache."""
-    return model(input_ids=token, position_ids=position_ids, attention_mask=attention_mask, cache=cache,
-                 use_cache=True).logits[:, -1]
-
-
 def static_cache(model, batch_size: int, length: int) -> StaticCache:
     """The static cache of batch_size rows and length tokens, one per shape and dtype, kept (a CUDA graph each)."""
     device = model.device.type
@@ -1136,10 +1129,15 @@ def static_cache(model, batch_size: int, length: int) -> StaticCache:
 
 
 @functools.cache
-def compiled_decode_step(mode: str) -> Callable:
-    """decode_step compiled once per process: one whole graph for every batch size and cache length (dynamic: a fixed
-    shape a graph would meet dynamo's recompile limit, 8, within a run); "reduce-overhead": a CUDA graph a shape."""
-    return torch.compile(decode_step, fullgraph=True, dynamic=True, mode=mode)
+def decode_step(mode: str | None = None) -> Callable:
+    """step(model, token, position_ids [B, 1], attention_mask, cache): the model's logits [B, V] of one new token a row,
+    filling the cache; with a mode, compiled once per process: one whole graph for every batch size and cache length
+    (dynamic: fixed shapes met dynamo's recompile limit, 8, within a run); "reduce-overhead": a CUDA graph a shape."""
+    def step(model, token, position_ids, attention_mask, cache) -> torch.Tensor:
+        return model(input_ids=token, position_ids=position_ids, attention_mask=attention_mask, cache=cache,
+                     use_cache=True).logits[:, -1]
+
+    return step if mode is None else torch.compile(step, fullgraph=True, dynamic=True, mode=mode)
 
 
 @torch.no_grad()
@@ -1160,7 +1158,7 @@ def decode_loop(model, queries: torch.Tensor, attention_mask: torch.Tensor, gen:
         compiled, cache = False, DynamicCache(config=model.config)
     C = length if compiled else Lq + T
     mask = torch.nn.functional.pad(attention_mask, (0, C - Lq), value=1)  # [B, C]: 0 on left padding only
-    step = compiled_decode_step(gen.compile_config.mode) if compiled else decode_step
+    step = decode_step(gen.compile_config.mode if compiled else None)
     with torch.compiler.set_stance("force_eager"):  # compiled, the cache's first fill is unfit for CUDA graphs
         logits = model(input_ids=queries, attention_mask=mask[:, :C if compiled else Lq], use_cache=True,
                        position_ids=position_ids_from(attention_mask), logits_to_keep=1, cache=cache).logits[:, -1]
@@ -1210,10 +1208,8 @@ def check_scores_vary(scores: torch.Tensor, spreads: list, builtin_model: bool, 
     """The spread of each of the first iterations' rewards [B] (scores and process rewards) over all processes; where
     none varied, one line says so (rank 0): every advantage is 0, nothing is learnt (a reward that cannot fire)."""
     if len(spreads) < first:
-        spread = torch.stack([scores.max(), -scores.min()])
-        if torch.distributed.is_initialized():
-            torch.distributed.all_reduce(spread, op=torch.distributed.ReduceOp.MAX)
-        spreads.append(spread.sum().item())
+        extremes = average_metrics({"r/max": scores.max().item(), "r/min": scores.min().item()}, scores.device)
+        spreads.append(extremes["r/max"] - extremes["r/min"])
         if len(spreads) == first and max(spreads) == 0 and rank == 0:
             tqdm.write(f"warning: the rewards of {first} iterations never varied (the last's all {scores[0].item():g})"
                        ": nothing to learn from; check that the reward can score what the model writes" + (" (the "
@@ -1459,16 +1455,6 @@ def setup_distributed() -> tuple[int, int, torch.device]:
     return torch.distributed.get_rank(), torch.distributed.get_world_size(), device
 
 
-def shard(model: torch.nn.Module, mesh) -> torch.nn.Module:
-    """FSDP2: shard each decoder layer (its _no_split_modules), then the rest (with LoRA: inside peft's wrapper)."""
-    layers = set(getattr(model, "_no_split_modules", None) or [])  # private, but device_map's list of layer classes
-    for module in model.modules():
-        if type(module).__name__ in layers:
-            fully_shard(module, mesh=mesh)
-    fully_shard(model.get_base_model() if isinstance(model, peft.PeftModel) else model, mesh=mesh)
-    return model
-
-
 def reference(policy, ref_policy) -> tuple:
     """The reference and the context it runs in: ref_policy under no_grad, or (None) the policy with adapters off."""
     if ref_policy is not None and ref_policy is not policy:
@@ -1480,13 +1466,18 @@ def reference(policy, ref_policy) -> tuple:
 
 
 def place(models: list, device: torch.device, fsdp: bool, world: int) -> None:
-    """Move each model (None: absent) to the device with dropout off; under --fsdp, shard it over the processes."""
+    """Move each model (None: absent) to the device with dropout off; under --fsdp, shard it over the processes with
+    FSDP2: each decoder layer, then the rest (with LoRA: inside peft's wrapper)."""
     if fsdp and not torch.distributed.is_initialized():
         fail("--fsdp", True, "FSDP shards over processes: launch with torchrun --nproc_per_node N")
     for model in filter(None, models):
         disable_dropout(model.to(device))
-        if fsdp:
-            shard(model, init_device_mesh(device.type, (world,)))
+        if fsdp:  # the layers: _no_split_modules, private, but device_map's list of layer classes
+            layers, mesh = set(getattr(model, "_no_split_modules", None) or []), init_device_mesh(device.type, (world,))
+            for module in model.modules():
+                if type(module).__name__ in layers:
+                    fully_shard(module, mesh=mesh)
+            fully_shard(model.get_base_model() if isinstance(model, peft.PeftModel) else model, mesh=mesh)
 
 
 def compile_models(enabled: bool, models: list, configs: list[GenerationConfig], device: torch.device) -> None:
