@@ -1060,12 +1060,11 @@ CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {"h
 
 def packed_inputs(model, queries: torch.Tensor, query_mask: torch.Tensor, responses: torch.Tensor,
                   valid: torch.Tensor) -> tuple:
-    """The forward's inputs for P prompts (queries and query_mask [P, Lq], left-padded) and their k = B / P responses
-    each (responses and valid [B, T], right-padded), and index [B, T], the flat output position that scores each
-    response token: pack_segments' rows if the model keeps its segments apart, else padded rows, each prompt k times.
-    Checked once per model, one answer for all processes: a sequence of the batch packed after another group (each
-    token id + 1) and after a sibling response must give, where its response is scored, the decoder output of its
-    forward alone (within 1e-4, or 2 units of rounding for 16-bit weights), computed eagerly, no [n, V] logits made."""
+    """The forward's inputs for P prompts (queries, query_mask [P, Lq], left-padded) and their k = B / P responses each
+    (responses, valid [B, T], right-padded), and index [B, T], the flat output position scoring each response token:
+    pack_segments' rows if a sequence packed after another group and a sibling response gets the decoder output of its
+    own forward where scored (checked once per model, one answer for all processes), else padded rows, prompts k
+    times."""
     (P, Lq), (B, T), device = queries.shape, responses.shape, queries.device
     checked = CHECKED.setdefault(model, {})
     if "packs" not in checked:
@@ -1096,13 +1095,11 @@ def packed_inputs(model, queries: torch.Tensor, query_mask: torch.Tensor, respon
 
 def pack_segments(model, queries: torch.Tensor, query_mask: torch.Tensor, responses: torch.Tensor,
                   valid: torch.Tensor, width: int | None = None) -> tuple:
-    """packed_inputs' packed layout. A group's prompt (its real tokens) and then its responses' are one segment, or,
-    where the attention's square over such rows costs more than copies of the prompt (long responses, many of them),
-    its responses go in segments of k dividing K, each after its own copy. A response's position ids go on from its
-    prompt's end, and a 4D mask lets a token see its segment's prompt and its own response's earlier tokens only
-    (within a sliding window, per layer type). Segments go, longest first, into rows (first fit) of `width`, or of
-    the width (1-3x the longest, in eighths) and k that cost least: rows x width x (3 x hidden size + width), a
-    position's layers and then its attention over the row (fitted on this CPU: docs/benchmarks.md)."""
+    """packed_inputs' packed layout: a group's prompt (its real tokens) then its responses are one segment, or, where
+    the attention's square over long rows costs more than copies of the prompt, segments of k | K responses after their
+    own copy. Position ids go on from the prompt's end; a 4D mask shows a token its segment's prompt and its response's
+    earlier tokens (within a sliding window, per layer type). Segments fill rows longest first (first fit) of `width`,
+    or of the width and k of least cost: a position's layers, then its attention over the row (docs/benchmarks.md)."""
     config = model.config.get_text_config()  # a multimodal model's language model's
     n_q, n_r, per_position = query_mask.sum(1), valid.sum(1), 3 * config.hidden_size  # [P], [B]: real tokens
     K = len(n_r) // len(n_q)  # responses per prompt
@@ -1165,10 +1162,9 @@ def response_logprobs(policy, queries, query_mask, responses: torch.Tensor, vali
 
 
 def forward_to_head(model, index: torch.Tensor, chunk: int, **inputs) -> tuple:
-    """(h, head) at the flat output positions `index` [*] of the model's forward, head(h) their logits: a forward hook
-    narrows the decoder's output to them before the model's own head runs (no logits elsewhere). chunk > 0: h [*, H]
-    is that output, head the output layer (logits at one position: the whole model runs, so FSDP gathers); chunk 0,
-    or logits not that layer on it (a soft-cap; checked once, said once): h [*, V] the model's logits, head Identity."""
+    """(h, head) at the flat output positions `index` [*] of the model's forward, head(h) their logits, a forward hook
+    narrowing the decoder's output to them (no logits elsewhere). chunk > 0: h [*, H] that output, head the output
+    layer; chunk 0, or logits not that layer on it (a soft-cap; checked once, said once): h [*, V] logits, Identity."""
     head, checked, hidden = model.get_output_embeddings(), CHECKED.setdefault(model, {}), []
     plain = chunk > 0 and head is not None and checked.get("head", True)
 
@@ -1177,7 +1173,7 @@ def forward_to_head(model, index: torch.Tensor, chunk: int, **inputs) -> tuple:
         hidden.append(output.last_hidden_state)
 
     with model.get_decoder().register_forward_hook(narrow):
-        logits = model(**inputs, logits_to_keep=int(plain)).logits  # [1, 1] or [1, N] positions
+        logits = model(**inputs, logits_to_keep=int(plain)).logits  # [1, 1] (all the model runs: FSDP gathers), [1, N]
     if plain and "head" not in checked and index.numel():
         with torch.no_grad():
             ok = getattr(model.config, "final_logit_softcapping", None) is None and \
@@ -1192,9 +1188,8 @@ def forward_to_head(model, index: torch.Tensor, chunk: int, **inputs) -> tuple:
 
 
 def over_logits(heads: list, hs: list, tokens: torch.Tensor, fn: Callable, chunk: int, mask=None) -> tuple:
-    """fn(*logits, tokens [B, T]) -> [B, T] tensors (or None), logits = head(h [B, T, *]), ~`chunk` a model at a time,
-    recomputed in backward if > 1 chunk, at once if chunk 0 or logits (Identity); mask [B, T]: hs [N, *] are given at
-    its N positions alone, and the outputs are 0 off them."""
+    """fn(*logits, tokens [B, T]) -> [B, T] tensors (or None), logits = head(h [B, T, *]), ~`chunk` a model at a time
+    (recomputed in backward; at once if chunk 0 or Identity); mask [B, T]: hs [N, *] at its N positions, 0 off them."""
     B, T = tokens.shape
     if mask is not None:  # the masked positions alone, [1, N], scattered back
         keep = mask.flatten().nonzero()[:, 0]
@@ -1305,9 +1300,8 @@ def decode_step(mode: str | None = None) -> Callable:
 def decode_loop(model, queries: torch.Tensor, attention_mask: torch.Tensor, gen: GenerationConfig,
                 stop: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Responses [B, T] to left-padded queries [B, Lq] sampled as `generate` does, each token's logprob [B, T] as drawn
-    (0 after its row ended) and the rows stepped: the prompts' forward fills the cache, then a token a step. Rows end
-    at EOS or stop(new_ids [B, t]), the loop when every process's have. Below gen.compact_below live, finished rows
-    leave (compiled: to half, down to a quarter; one stays if none is live: FSDP's forwards are collectives)."""
+    (0 after its row ended), the rows stepped: the prompts' forward fills the cache, then a token a step until EOS or
+    stop(new_ids [B, t]) in every process's rows; below gen.compact_below live, finished rows leave the batch."""
     (B, Lq), T, compiled = queries.shape, gen.max_new_tokens, gen.compile_config is not None
     power = 1 << max(4, (Lq + T - 1).bit_length())  # a static cache holds prompt and response: a power of 2 or 3/4 of
     length = power * 3 // 4 if power * 3 // 4 >= Lq + T else power  # one, so a few lengths and <= 1.5x the tokens
@@ -1341,7 +1335,7 @@ def decode_loop(model, queries: torch.Tensor, attention_mask: torch.Tensor, gen:
         if t == T - 1 or global_sum((~done).sum()) == 0:  # all processes step on until all are done (FSDP: each
             break  # forward gathers the weights from every process)
         n, live = len(token), int((~done[rows]).sum())
-        size = -(-n // 2) if compiled else max(live, 1)  # compiled: a graph a batch size
+        size = -(-n // 2) if compiled else max(live, 1)  # compiled: to half (a graph a size); one row stays (FSDP)
         if live < (getattr(gen, "compact_below", 0) or 0) * n and live <= size < n and (not compiled or 4 * size >= B):
             keep = torch.argsort(done[rows].int(), stable=True)[:size]  # the live rows first
             if compiled:  # copied, every slot, into a static cache of `size` rows (allocated at the first copy)
@@ -1902,9 +1896,8 @@ def named_config(name: str) -> Args:
 
 
 def parse_args(cls, recipes: dict, argv: list[str], description: str) -> Any:
-    """The command line's config of cls: a named configuration (recipes: name -> (what it is, its config or what makes
-    it; the first the default)) wherever it stands, the other flags over it; --help lists them; a misspelt one is one
-    line."""
+    """The command line's config of cls: a named configuration (recipes: name -> (what it is, its config or its maker;
+    the first the default)) wherever it stands, the other flags over it; --help lists them; a misspelt one: one line."""
     config = lambda name: recipes[name][1]() if callable(recipes[name][1]) else recipes[name][1]  # made when named
     description += "".join(f"\n  {name}: {text}" for name, (text, _) in recipes.items())
     default = config(next(iter(recipes))) if recipes else tyro.MISSING_NONPROP
