@@ -330,7 +330,7 @@ def main(args: Args) -> None:
         state = ppo.load_state(ckpt)
         for p, opt in optimizers.items():
             ppo.load_optimizer_state(opt, state["optimizers"][p])
-        ppo.set_rng_states(state["rng"][rank % len(state["rng"])])
+        ppo.rng_states(state["rng"][rank % len(state["rng"])])
         start, elapsed, sched, failures = state["step"] + 1, state["elapsed"], state["schedule"], state["failures"]
         data, recent, run_name = state["data"], state["recent"], state["run_name"]
     metrics_path, run = ppo.open_run(args, output_dir, start, run_name) if rank == 0 else (None, None)

@@ -899,12 +899,11 @@ CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {"h
 
 def packed_inputs(model, queries: torch.Tensor, query_mask: torch.Tensor, responses: torch.Tensor,
                   valid: torch.Tensor) -> tuple:
-    """The forward's inputs for P prompts (queries and query_mask [P, Lq], left-padded) and their k = B / P responses
-    each (responses and valid [B, T], right-padded), and index [B, T], the flat output position that scores each
-    response token: pack_segments' rows if the model keeps its segments apart, else padded rows, each prompt k times.
-    Checked once per model, one answer for all processes: a sequence of the batch packed after another group (each
-    token id + 1) and after a sibling response must give, where its response is scored, the decoder output of its
-    forward alone (within 1e-4, or 2 units of rounding for 16-bit weights), computed eagerly, no [n, V] logits made."""
+    """The forward's inputs for P prompts (queries, query_mask [P, Lq], left-padded) and their k = B / P responses each
+    (responses, valid [B, T], right-padded), and index [B, T], the flat output position scoring each response token:
+    pack_segments' rows if a sequence packed after another group and a sibling response gets the decoder output of its
+    own forward where scored (checked once per model, one answer for all processes), else padded rows, prompts k
+    times."""
     (P, Lq), (B, T), device = queries.shape, responses.shape, queries.device
     checked = CHECKED.setdefault(model, {})
     if "packs" not in checked:
@@ -935,13 +934,11 @@ def packed_inputs(model, queries: torch.Tensor, query_mask: torch.Tensor, respon
 
 def pack_segments(model, queries: torch.Tensor, query_mask: torch.Tensor, responses: torch.Tensor,
                   valid: torch.Tensor, width: int | None = None) -> tuple:
-    """packed_inputs' packed layout. A group's prompt (its real tokens) and then its responses' are one segment, or,
-    where the attention's square over such rows costs more than copies of the prompt (long responses, many of them),
-    its responses go in segments of k dividing K, each after its own copy. A response's position ids go on from its
-    prompt's end, and a 4D mask lets a token see its segment's prompt and its own response's earlier tokens only
-    (within a sliding window, per layer type). Segments go, longest first, into rows (first fit) of `width`, or of
-    the width (1-3x the longest, in eighths) and k that cost least: rows x width x (3 x hidden size + width), a
-    position's layers and then its attention over the row (fitted on this CPU: docs/benchmarks.md)."""
+    """packed_inputs' packed layout: a group's prompt (its real tokens) then its responses are one segment, or, where
+    the attention's square over long rows costs more than copies of the prompt, segments of k | K responses after their
+    own copy. Position ids go on from the prompt's end; a 4D mask shows a token its segment's prompt and its response's
+    earlier tokens (within a sliding window, per layer type). Segments fill rows longest first (first fit) of `width`,
+    or of the width and k of least cost: a position's layers, then its attention over the row (docs/benchmarks.md)."""
     config = model.config.get_text_config()  # a multimodal model's language model's
     n_q, n_r, per_position = query_mask.sum(1), valid.sum(1), 3 * config.hidden_size  # [P], [B]: real tokens
     K = len(n_r) // len(n_q)  # responses per prompt
@@ -1004,10 +1001,9 @@ def response_logprobs(policy, queries, query_mask, responses: torch.Tensor, vali
 
 
 def forward_to_head(model, index: torch.Tensor, chunk: int, **inputs) -> tuple:
-    """(h, head) at the flat output positions `index` [*] of the model's forward, head(h) their logits: a forward hook
-    narrows the decoder's output to them before the model's own head runs (no logits elsewhere). chunk > 0: h [*, H]
-    is that output, head the output layer (logits at one position: the whole model runs, so FSDP gathers); chunk 0,
-    or logits not that layer on it (a soft-cap; checked once, said once): h [*, V] the model's logits, head Identity."""
+    """(h, head) at the flat output positions `index` [*] of the model's forward, head(h) their logits, a forward hook
+    narrowing the decoder's output to them (no logits elsewhere). chunk > 0: h [*, H] that output, head the output
+    layer; chunk 0, or logits not that layer on it (a soft-cap; checked once, said once): h [*, V] logits, Identity."""
     head, checked, hidden = model.get_output_embeddings(), CHECKED.setdefault(model, {}), []
     plain = chunk > 0 and head is not None and checked.get("head", True)
 
@@ -1016,7 +1012,7 @@ def forward_to_head(model, index: torch.Tensor, chunk: int, **inputs) -> tuple:
         hidden.append(output.last_hidden_state)
 
     with model.get_decoder().register_forward_hook(narrow):
-        logits = model(**inputs, logits_to_keep=int(plain)).logits  # [1, 1] or [1, N] positions
+        logits = model(**inputs, logits_to_keep=int(plain)).logits  # [1, 1] (all the model runs: FSDP gathers), [1, N]
     if plain and "head" not in checked and index.numel():
         with torch.no_grad():
             ok = getattr(model.config, "final_logit_softcapping", None) is None and \
@@ -1031,9 +1027,8 @@ def forward_to_head(model, index: torch.Tensor, chunk: int, **inputs) -> tuple:
 
 
 def over_logits(heads: list, hs: list, tokens: torch.Tensor, fn: Callable, chunk: int, mask=None) -> tuple:
-    """fn(*logits, tokens [B, T]) -> [B, T] tensors (or None), logits = head(h [B, T, *]), ~`chunk` a model at a time,
-    recomputed in backward if > 1 chunk, at once if chunk 0 or logits (Identity); mask [B, T]: hs [N, *] are given at
-    its N positions alone, and the outputs are 0 off them."""
+    """fn(*logits, tokens [B, T]) -> [B, T] tensors (or None), logits = head(h [B, T, *]), ~`chunk` a model at a time
+    (recomputed in backward; at once if chunk 0 or Identity); mask [B, T]: hs [N, *] at its N positions, 0 off them."""
     B, T = tokens.shape
     if mask is not None:  # the masked positions alone, [1, N], scattered back
         keep = mask.flatten().nonzero()[:, 0]
@@ -1060,9 +1055,13 @@ def logprobs_on_support(models: list[tuple], tokens: torch.Tensor, temperature: 
 
 def generation_configs(gen: GenArgs, tokenizer, temperature: float, top_k: int = 0, top_p: float = 1.0,
                        min_p: float = 0.0) -> tuple[GenerationConfig, GenerationConfig]:
-    """The rollouts' sampling and evaluation's greedy GenerationConfig, every filter set (the off-policy note once)."""
-    if off_policy_note(gen) and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
-        print_once(off_policy_note(gen))
+    """The rollouts' sampling and evaluation's greedy GenerationConfig, every filter set; one line, once (rank 0),
+    names the settings that make the update off-policy (a repetition penalty, a minimum length)."""
+    flags = [f"--{name.replace('_', '-')} {getattr(gen, name)}" for name, off in (("min_new_tokens", 0),
+             ("repetition_penalty", 1.0)) if getattr(gen, name) != off]
+    if flags and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
+        print_once(f"note: {', '.join(flags)} change what is sampled, but the update's logprobs do not see them: it "
+                   "is off-policy, and its ratios do not correct for that")
     common = dict(max_new_tokens=gen.max_new_tokens, min_new_tokens=gen.min_new_tokens or None, typical_p=1.0,
                   epsilon_cutoff=0.0, eta_cutoff=0.0, no_repeat_ngram_size=0, encoder_repetition_penalty=1.0,
                   pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
@@ -1070,14 +1069,6 @@ def generation_configs(gen: GenArgs, tokenizer, temperature: float, top_k: int =
     sample = GenerationConfig(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                               repetition_penalty=gen.repetition_penalty, **common)
     return sample, GenerationConfig(do_sample=False, repetition_penalty=1.0, **common)
-
-
-def off_policy_note(gen: GenArgs) -> str:
-    """One line naming the settings that make the update off-policy (a repetition penalty, a minimum length), or ""."""
-    flags = [f"--{name.replace('_', '-')} {getattr(gen, name)}" for name, off in (("min_new_tokens", 0),
-             ("repetition_penalty", 1.0)) if getattr(gen, name) != off]
-    return (f"note: {', '.join(flags)} change what is sampled, but the update's logprobs do not see them: it is "
-            "off-policy, and its ratios do not correct for that") if flags else ""
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float,
@@ -1121,13 +1112,6 @@ def next_token(logits: torch.Tensor, seen: torch.Tensor | None, gen: GenerationC
     return token, probs.gather(1, token[:, None])[:, 0].log()
 
 
-def decode_step(model, token: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
-                cache: DynamicCache | StaticCache) -> torch.Tensor:
-    """Logits [B, V] of one new token a row (token, position_ids [B, 1]) by the model's forward, filling the cache."""
-    return model(input_ids=token, position_ids=position_ids, attention_mask=attention_mask, cache=cache,
-                 use_cache=True).logits[:, -1]
-
-
 def static_cache(model, batch_size: int, length: int) -> StaticCache:
     """The static cache of batch_size rows and length tokens, one per shape and dtype, kept (a CUDA graph each)."""
     device = model.device.type
@@ -1140,19 +1124,23 @@ def static_cache(model, batch_size: int, length: int) -> StaticCache:
 
 
 @functools.cache
-def compiled_decode_step(mode: str) -> Callable:
-    """decode_step compiled once per process: one whole graph for every batch size and cache length (dynamic: a fixed
-    shape a graph would meet dynamo's recompile limit, 8, within a run); "reduce-overhead": a CUDA graph a shape."""
-    return torch.compile(decode_step, fullgraph=True, dynamic=True, mode=mode)
+def decode_step(mode: str | None = None) -> Callable:
+    """step(model, token, position_ids [B, 1], attention_mask, cache): the model's logits [B, V] of one new token a row,
+    filling the cache; with a mode, compiled once per process: one whole graph for every batch size and cache length
+    (dynamic: fixed shapes met dynamo's recompile limit, 8, within a run); "reduce-overhead": a CUDA graph a shape."""
+    def step(model, token, position_ids, attention_mask, cache) -> torch.Tensor:
+        return model(input_ids=token, position_ids=position_ids, attention_mask=attention_mask, cache=cache,
+                     use_cache=True).logits[:, -1]
+
+    return step if mode is None else torch.compile(step, fullgraph=True, dynamic=True, mode=mode)
 
 
 @torch.no_grad()
 def decode_loop(model, queries: torch.Tensor, attention_mask: torch.Tensor, gen: GenerationConfig,
                 stop: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Responses [B, T] to left-padded queries [B, Lq] sampled as `generate` does, each token's logprob [B, T] as drawn
-    (0 after its row ended) and the rows stepped: the prompts' forward fills the cache, then a token a step. Rows end
-    at EOS or stop(new_ids [B, t]), the loop when every process's have. Below gen.compact_below live, finished rows
-    leave (compiled: to half, down to a quarter; one stays if none is live: FSDP's forwards are collectives)."""
+    (0 after its row ended), the rows stepped: the prompts' forward fills the cache, then a token a step until EOS or
+    stop(new_ids [B, t]) in every process's rows; below gen.compact_below live, finished rows leave the batch."""
     (B, Lq), T, compiled = queries.shape, gen.max_new_tokens, gen.compile_config is not None
     power = 1 << max(4, (Lq + T - 1).bit_length())  # a static cache holds prompt and response: a power of 2 or 3/4 of
     length = power * 3 // 4 if power * 3 // 4 >= Lq + T else power  # one, so a few lengths and <= 1.5x the tokens
@@ -1164,7 +1152,7 @@ def decode_loop(model, queries: torch.Tensor, attention_mask: torch.Tensor, gen:
         compiled, cache = False, DynamicCache(config=model.config)
     C = length if compiled else Lq + T
     mask = torch.nn.functional.pad(attention_mask, (0, C - Lq), value=1)  # [B, C]: 0 on left padding only
-    step = compiled_decode_step(gen.compile_config.mode) if compiled else decode_step
+    step = decode_step(gen.compile_config.mode if compiled else None)
     with torch.compiler.set_stance("force_eager"):  # compiled, the cache's first fill is unfit for CUDA graphs
         logits = model(input_ids=queries, attention_mask=mask[:, :C if compiled else Lq], use_cache=True,
                        position_ids=position_ids_from(attention_mask), logits_to_keep=1, cache=cache).logits[:, -1]
@@ -1186,7 +1174,7 @@ def decode_loop(model, queries: torch.Tensor, attention_mask: torch.Tensor, gen:
         if t == T - 1 or global_sum((~done).sum()) == 0:  # all processes step on until all are done (FSDP: each
             break  # forward gathers the weights from every process)
         n, live = len(token), int((~done[rows]).sum())
-        size = -(-n // 2) if compiled else max(live, 1)  # compiled: a graph a batch size
+        size = -(-n // 2) if compiled else max(live, 1)  # compiled: to half (a graph a size); one row stays (FSDP)
         if live < (getattr(gen, "compact_below", 0) or 0) * n and live <= size < n and (not compiled or 4 * size >= B):
             keep = torch.argsort(done[rows].int(), stable=True)[:size]  # the live rows first
             if compiled:  # copied, every slot, into a static cache of `size` rows (allocated at the first copy)
@@ -1214,10 +1202,8 @@ def check_scores_vary(scores: torch.Tensor, spreads: list, builtin_model: bool, 
     """The spread of each of the first iterations' rewards [B] (scores and process rewards) over all processes; where
     none varied, one line says so (rank 0): every advantage is 0, nothing is learnt (a reward that cannot fire)."""
     if len(spreads) < first:
-        spread = torch.stack([scores.max(), -scores.min()])
-        if torch.distributed.is_initialized():
-            torch.distributed.all_reduce(spread, op=torch.distributed.ReduceOp.MAX)
-        spreads.append(spread.sum().item())
+        extremes = average_metrics({"r/max": scores.max().item(), "r/min": scores.min().item()}, scores.device)
+        spreads.append(extremes["r/max"] - extremes["r/min"])
         if len(spreads) == first and max(spreads) == 0 and rank == 0:
             tqdm.write(f"warning: the rewards of {first} iterations never varied (the last's all {scores[0].item():g})"
                        ": nothing to learn from; check that the reward can score what the model writes" + (" (the "
@@ -1431,21 +1417,17 @@ def global_sum(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def sync_gradients(params: list[torch.nn.Parameter]) -> None:
-    """Average gradients over processes, as DistributedDataParallel does (FSDP has reduced its sharded ones)."""
+def step_or_skip(optimizer, params: list, nonfinite: bool, max_grad_norm: float, skip_nonfinite: bool) -> bool:
+    """Average the gradients over processes (as DistributedDataParallel does; FSDP has reduced its sharded ones), clip,
+    step; a NaN/inf loss or norm skips it, or raises FloatingPointError. True if it stepped."""
     grads = [p.grad for p in params if p.grad is not None and not hasattr(p.grad, "placements")]
-    if grads and torch.distributed.is_initialized():
+    if not nonfinite and grads and torch.distributed.is_initialized():
         flat = torch.cat([g.flatten() for g in grads])
         torch.distributed.all_reduce(flat)
         flat /= torch.distributed.get_world_size()
         for g, chunk in zip(grads, flat.split([g.numel() for g in grads])):
             g.copy_(chunk.view_as(g))
-
-
-def step_or_skip(optimizer, params: list, nonfinite: bool, max_grad_norm: float, skip_nonfinite: bool) -> bool:
-    """Average, clip, step; a NaN/inf loss or norm skips it, or raises FloatingPointError. True if it stepped."""
     if not nonfinite:
-        sync_gradients(params)
         nonfinite = not torch.isfinite(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
     if not nonfinite:
         optimizer.step()
@@ -1467,16 +1449,6 @@ def setup_distributed() -> tuple[int, int, torch.device]:
     return torch.distributed.get_rank(), torch.distributed.get_world_size(), device
 
 
-def shard(model: torch.nn.Module, mesh) -> torch.nn.Module:
-    """FSDP2: shard each decoder layer (its _no_split_modules), then the rest (with LoRA: inside peft's wrapper)."""
-    layers = set(getattr(model, "_no_split_modules", None) or [])  # private, but device_map's list of layer classes
-    for module in model.modules():
-        if type(module).__name__ in layers:
-            fully_shard(module, mesh=mesh)
-    fully_shard(model.get_base_model() if isinstance(model, peft.PeftModel) else model, mesh=mesh)
-    return model
-
-
 def reference(policy, ref_policy) -> tuple:
     """The reference and the context it runs in: ref_policy under no_grad, or (None) the policy with adapters off."""
     if ref_policy is not None and ref_policy is not policy:
@@ -1488,13 +1460,18 @@ def reference(policy, ref_policy) -> tuple:
 
 
 def place(models: list, device: torch.device, fsdp: bool, world: int) -> None:
-    """Move each model (None: absent) to the device with dropout off; under --fsdp, shard it over the processes."""
+    """Move each model (None: absent) to the device with dropout off; under --fsdp, shard it over the processes with
+    FSDP2: each decoder layer, then the rest (with LoRA: inside peft's wrapper)."""
     if fsdp and not torch.distributed.is_initialized():
         fail("--fsdp", True, "FSDP shards over processes: launch with torchrun --nproc_per_node N")
     for model in filter(None, models):
         disable_dropout(model.to(device))
-        if fsdp:
-            shard(model, init_device_mesh(device.type, (world,)))
+        if fsdp:  # the layers: _no_split_modules, private, but device_map's list of layer classes
+            layers, mesh = set(getattr(model, "_no_split_modules", None) or []), init_device_mesh(device.type, (world,))
+            for module in model.modules():
+                if type(module).__name__ in layers:
+                    fully_shard(module, mesh=mesh)
+            fully_shard(model.get_base_model() if isinstance(model, peft.PeftModel) else model, mesh=mesh)
 
 
 def compile_models(enabled: bool, models: list, configs: list[GenerationConfig], device: torch.device) -> None:
@@ -1613,18 +1590,15 @@ def log_row(path: Path | None, run, row: dict, samples: list | None = None) -> N
         run.log(row, step=row["iteration"])
 
 
-def rng_states() -> dict:
-    """This process's random number generator states."""
+def rng_states(restore: dict | None = None) -> dict:
+    """This process's random number generator states, after setting them to `restore` (what it returned) if given."""
+    if restore is not None:
+        random.setstate(restore["python"])
+        torch.set_rng_state(restore["torch"])
+        if restore["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(restore["cuda"])
     return {"python": random.getstate(), "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
-
-
-def set_rng_states(states: dict) -> None:
-    """Restore what rng_states saved."""
-    random.setstate(states["python"])
-    torch.set_rng_state(states["torch"])
-    if states["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(states["cuda"])
 
 
 def plan_run(args) -> tuple[int, Path, str, Path | None]:
@@ -1649,7 +1623,7 @@ def resume_state(ckpt: Path | None, optimizer, seed: int, rank: int, run_name: s
     state = load_state(ckpt)
     load_optimizer_state(optimizer, state.pop("optimizer"))
     rngs = state.pop("rng")
-    set_rng_states(rngs[rank % len(rngs)])
+    rng_states(rngs[rank % len(rngs)])
     return state, state["iteration"] + 1
 
 
@@ -1761,9 +1735,8 @@ def named_config(name: str) -> Args:
 
 
 def parse_args(cls, recipes: dict, argv: list[str], description: str) -> Any:
-    """The command line's config of cls: a named configuration (recipes: name -> (what it is, its config or what makes
-    it; the first the default)) wherever it stands, the other flags over it; --help lists them; a misspelt one is one
-    line."""
+    """The command line's config of cls: a named configuration (recipes: name -> (what it is, its config or its maker;
+    the first the default)) wherever it stands, the other flags over it; --help lists them; a misspelt one: one line."""
     config = lambda name: recipes[name][1]() if callable(recipes[name][1]) else recipes[name][1]  # made when named
     description += "".join(f"\n  {name}: {text}" for name, (text, _) in recipes.items())
     default = config(next(iter(recipes))) if recipes else tyro.MISSING_NONPROP

@@ -352,7 +352,7 @@ def main(args: Args) -> None:
         state = load_state(ckpt)
         optimizer.load_state_dict(state.pop("optimizer"))
         rngs = state.pop("rng")
-        set_rng_states(rngs[rank % len(rngs)])
+        rng_states(rngs[rank % len(rngs)])
     start = state["iteration"] + 1
     metrics_path, run = open_run(args, output_dir, start, state["run_name"]) if rank == 0 else (None, None)
     lengths, local = [len(e["input_ids"]) for e in train], args.batch_size // world
@@ -703,21 +703,17 @@ def global_sum(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def sync_gradients(params: list[torch.nn.Parameter]) -> None:
-    """Average gradients over processes, as DistributedDataParallel does (FSDP has reduced its sharded ones)."""
+def step_or_skip(optimizer, params: list, nonfinite: bool, max_grad_norm: float, skip_nonfinite: bool) -> bool:
+    """Average the gradients over processes (as DistributedDataParallel does; FSDP has reduced its sharded ones), clip,
+    step; a NaN/inf loss or norm skips it, or raises FloatingPointError. True if it stepped."""
     grads = [p.grad for p in params if p.grad is not None and not hasattr(p.grad, "placements")]
-    if grads and torch.distributed.is_initialized():
+    if not nonfinite and grads and torch.distributed.is_initialized():
         flat = torch.cat([g.flatten() for g in grads])
         torch.distributed.all_reduce(flat)
         flat /= torch.distributed.get_world_size()
         for g, chunk in zip(grads, flat.split([g.numel() for g in grads])):
             g.copy_(chunk.view_as(g))
-
-
-def step_or_skip(optimizer, params: list, nonfinite: bool, max_grad_norm: float, skip_nonfinite: bool) -> bool:
-    """Average, clip, step; a NaN/inf loss or norm skips it, or raises FloatingPointError. True if it stepped."""
     if not nonfinite:
-        sync_gradients(params)
         nonfinite = not torch.isfinite(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
     if not nonfinite:
         optimizer.step()
@@ -781,18 +777,15 @@ def log_row(path: Path | None, run, row: dict) -> None:
         run.log(row, step=row["iteration"])
 
 
-def rng_states() -> dict:
-    """This process's random number generator states."""
+def rng_states(restore: dict | None = None) -> dict:
+    """This process's random number generator states, after setting them to `restore` (what it returned) if given."""
+    if restore is not None:
+        random.setstate(restore["python"])
+        torch.set_rng_state(restore["torch"])
+        if restore["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(restore["cuda"])
     return {"python": random.getstate(), "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
-
-
-def set_rng_states(states: dict) -> None:
-    """Restore what rng_states saved."""
-    random.setstate(states["python"])
-    torch.set_rng_state(states["torch"])
-    if states["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(states["cuda"])
 
 
 def load_weights(model, folder: Path) -> None:

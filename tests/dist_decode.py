@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import torch
-from torch.distributed.device_mesh import init_device_mesh
 from transformers import GenerationConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -20,7 +19,8 @@ def main(out: str) -> None:
     rank, world, device = ppo.setup_distributed()
     tokenizer = ppo.build_tokenizer()
     torch.manual_seed(0)
-    model = ppo.shard(ppo.build_tiny_model(tokenizer).eval(), init_device_mesh(device.type, (world,)))
+    model = ppo.build_tiny_model(tokenizer).eval()
+    ppo.place([model], device, True, world)
     queries = torch.randint(4, len(tokenizer), (8, 5), generator=torch.Generator().manual_seed(rank))
     mask = torch.ones_like(queries)
     gen = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=16, pad_token_id=0,

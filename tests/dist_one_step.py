@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import torch
-from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import ppo  # noqa: E402
@@ -50,9 +49,7 @@ def main(algo: str, out: str, fsdp: bool, lora: bool) -> None:
     rewards = torch.rand(16, generator=gen)
     mine = slice(rank * 16 // world, (rank + 1) * 16 // world)
     models = [policy, value] if algo == "ppo" else [policy]
-    for model in [*models, ref]:
-        if fsdp and model is not None:
-            ppo.shard(model, init_device_mesh(device.type, (world,)))
+    ppo.place([*models, ref], device, fsdp, world)
     optimizer = torch.optim.SGD([p for m in models for p in m.parameters() if p.requires_grad], lr=0.5)
     common = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     if algo == "ppo":

@@ -20,8 +20,8 @@ SHARED_ABOVE_MARKER = ["TaskArgs", "GenArgs", "MemoryArgs", "response_valid_mask
 # PRM's held-out step metrics, not a policy's greedy decoding) and log_row (no completions to write).
 SHARED_WITH_PRM = [
     "autocast", "BUILTIN_CHARS", "build_tokenizer", "build_tiny_model", "fail", "load_pretrained", "model_context",
-    "world_size", "global_sum", "sync_gradients", "step_or_skip", "setup_distributed", "average_metrics", "open_run",
-    "rng_states", "set_rng_states", "save_checkpoint", "find_checkpoint", "load_state", "MemoryArgs",
+    "world_size", "global_sum", "step_or_skip", "setup_distributed", "average_metrics", "open_run",
+    "rng_states", "save_checkpoint", "find_checkpoint", "load_state", "MemoryArgs",
     "with_lora", "adamw", "load_weights",
 ]
 COPIES = {

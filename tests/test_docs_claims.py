@@ -29,11 +29,14 @@ def test_builtin_evaluation_sums_are_the_training_prompts_and_no_page_calls_them
         assert "held-out sums" not in text and "held out sums" not in text
 
 
-def test_sampling_filters_are_on_policy_and_only_the_others_are_named_off_policy(tmp_path):
+def test_sampling_filters_are_on_policy_and_only_the_others_are_named_off_policy(tmp_path, capsys):
     """top-k, top-p and min-p: the update's logprobs use the sampler's support, so a run logs a sampler-trainer
     difference at float noise and prints no note; a repetition penalty and a minimum length stay off-policy, said."""
-    assert ppo.off_policy_note(ppo.GenArgs()) == ""
-    note = ppo.off_policy_note(ppo.GenArgs(min_new_tokens=2, repetition_penalty=1.2))
+    ppo.print_once.cache_clear()
+    ppo.generation_configs(ppo.GenArgs(), ppo.build_tokenizer(), 1.0, top_k=3, top_p=0.9, min_p=0.1)
+    assert capsys.readouterr().out == ""
+    ppo.generation_configs(ppo.GenArgs(min_new_tokens=2, repetition_penalty=1.2), ppo.build_tokenizer(), 1.0)
+    note = capsys.readouterr().out
     assert "--min-new-tokens 2" in note and "--repetition-penalty 1.2" in note and "off-policy" in note
     for script in ("ppo.py", "rloo.py"):
         help_text = " ".join(run_script(script, "--help").stdout.replace("│", " ").split())  # one line of words

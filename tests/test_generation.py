@@ -282,7 +282,7 @@ def compile_config() -> ppo.CompileConfig:
     """--compile's setting, with the graphs of tests before forgotten."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    ppo.compiled_decode_step.cache_clear()
+    ppo.decode_step.cache_clear()
     return ppo.CompileConfig(fullgraph=True, dynamic=False, mode="default")
 
 
