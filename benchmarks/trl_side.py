@@ -19,10 +19,10 @@ grpo-real is benchmarks/real_model.py --vs-trl's TRL side: TRL's GRPOTrainer on 
 and test splits, reward.py) with `rloo.py grpo`'s settings, evaluated by ppo.py's own `evaluate` (greedy, the 200
 held-out sums) before training and every EVAL_EVERY steps, writing OUT/metrics.jsonl rows as our scripts write them.
 
-    benchmarks/.trl116-venv/bin/python benchmarks/trl_side.py grpo-gym EPISODES MODEL_FOLDER TASK_FOLDER OUT EVAL_EVERY N
+    benchmarks/.trl116-venv/bin/python benchmarks/trl_side.py grpo-gym EPISODES MODEL_FOLDER TASK_FOLDER OUT N_EVERY N
 
 grpo-gym is the same for docs/custom.md's reasoning-gym run: a folder written by examples/reasoning_gym.py, its reward
-`score`, up to 256 new tokens, N held-out rows evaluated.
+`score`, up to 256 new tokens, N held-out rows evaluated every N_EVERY steps.
 
     benchmarks/.trl116-venv/bin/python benchmarks/trl_side.py grpo-lengths EPISODES MODEL_FOLDER TASK_FOLDER OUT N
     benchmarks/.trl-venv/bin/python benchmarks/trl_side.py ppo-lengths EPISODES MODEL_FOLDER TASK_FOLDER OUT N
