@@ -270,7 +270,7 @@ class RLOOHParams:
 
 
 # Named configurations, docs/rloo.md's table: `python rloo.py grpo --rloo-k 8` (flags after the name override it).
-FAMILY = "--baseline group_mean --scale-rewards group --kl-coef 0"  # group-scaled advantages, no KL
+FAMILY = "--baseline group_mean --scale-rewards group --kl-coef 0 --num-mini-batches 4"  # group-scaled, no KL
 RECIPES = {  # name: (what it is, its flags)
     "rloo": ("RLOO as in its paper: leave-one-out baseline, KL (k1) in the reward (the defaults)", ""),
     "trl_rloo": ("TRL's RLOOTrainer defaults: k = 2, KL in the reward, a ratio per response (summed)",
@@ -280,19 +280,18 @@ RECIPES = {  # name: (what it is, its flags)
              "--kl-coef 0.04"),
     "dr_grpo": ("Dr. GRPO: GRPO without the std scaling and the length normalisation, no KL",
                 "--baseline group_mean --loss-type dr_grpo --kl-coef 0"),
-    "dapo": ("DAPO: dynamic sampling, clip-higher, truncated responses masked, no KL", f"--dynamic-sampling {FAMILY} "
-             "--epsilon-high 0.28 --mask-truncated-completions --num-mini-batches 4"),
+    "dapo": ("DAPO: dynamic sampling, clip-higher, truncated responses masked, no KL",
+             f"--dynamic-sampling {FAMILY} --epsilon-high 0.28 --mask-truncated-completions"),
     "gspo": ("GSPO: one importance ratio per response, clipped to [1 - 3e-4, 1 + 4e-4], no KL, 4 mini-batches",
-             f"{FAMILY} --loss-type grpo --importance-sampling-level sequence --cliprange 3e-4 --epsilon-high 4e-4 "
-             "--num-mini-batches 4"),
+             f"{FAMILY} --loss-type grpo --importance-sampling-level sequence --cliprange 3e-4 --epsilon-high 4e-4"),
     "cispo": ("CISPO (MiniMax-M1): the ratio capped at 5 and held constant, every token's gradient kept, no KL",
-              f"{FAMILY} --loss-type cispo --epsilon-high 5.0 --num-mini-batches 4"),
+              f"{FAMILY} --loss-type cispo --epsilon-high 5.0"),
     "sapo": ("SAPO: a soft gate on the ratio in place of the clip (temperatures 1 and 1.05), no KL, 4 mini-batches",
-             f"{FAMILY} --loss-type sapo --num-mini-batches 4"),
+             f"{FAMILY} --loss-type sapo"),
     "vespo": ("VESPO: a smooth weight of each response's ratio in place of the clip, no KL, 4 mini-batches",
-              f"{FAMILY} --loss-type vespo --num-mini-batches 4"),
-    "luspo": ("LUSPO: GSPO with each response's loss times its length, no KL, 4 mini-batches", f"{FAMILY} --loss-type "
-              "luspo --importance-sampling-level sequence --cliprange 3e-4 --epsilon-high 4e-4 --num-mini-batches 4"),
+              f"{FAMILY} --loss-type vespo"),
+    "luspo": ("LUSPO: GSPO with each response's loss times its length, no KL, 4 mini-batches",
+              f"{FAMILY} --loss-type luspo --importance-sampling-level sequence --cliprange 3e-4 --epsilon-high 4e-4"),
 }
 
 
