@@ -392,17 +392,22 @@ def group_advantages(rewards: torch.Tensor, k: int, baseline: str, scale: str) -
 
 def policy_losses(logprobs: torch.Tensor, old_logprobs: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
                   hp: RLOOHParams, weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """Token losses [b, T], log-ratios [b, T] (or [b, 1], one per response) of logprobs to old_logprobs on mask, with
-    advantages adv [b, 1], by hp.loss_type as TRL 1.16 (docs/rloo.md, the family): PPO's clip for the rest,
-    max(-A min(r, delta), -A clip(r, 1 - eps, 1 + eps_high)); cispo (MiniMax-M1) -sg(min(r, eps_high)) A log pi;
-    sapo (SAPO) -A 4 / tau sigmoid(tau (r - 1)), tau by A's sign; vespo (VESPO) -sg(phi) A log pi, phi = w^k
-    exp(lambda (1 - w)) of the response's w = exp(summed token log-ratios). weight [b, T]: the sampler correction."""
+    """Token losses [b, T], log-ratios [b, T] (or [b, 1], one per response) of logprobs to old_logprobs on mask and the
+    clip's metrics, advantages adv [b, 1], by hp.loss_type as TRL 1.16 (docs/rloo.md, the family): PPO's clip for the
+    rest, max(-A min(r, delta), -A clip(r, 1 - eps, 1 + eps_high)); cispo (MiniMax-M1) -sg(min(r, eps_high)) A log pi;
+    sapo (SAPO) -A 4 / tau sigmoid(tau (r - 1)), tau by A's sign; vespo (VESPO) -sg(phi) A log pi, phi = w^k exp(lambda
+    (1 - w)) of the response's w = exp(summed token log-ratios). weight [b, T]: the sampler correction."""
     token_log_ratio = logprobs - old_logprobs  # [b, T]
     log_ratio = token_log_ratio
     if hp.importance_sampling_level != "token":  # one per response [b, 1]: mean (GSPO) or sum (TRL RLOO)
         n = mask.sum(1).clamp(min=1) if hp.importance_sampling_level == "sequence" else 1
         log_ratio = ((token_log_ratio * mask).sum(1) / n)[:, None]
-    ratio, extra = log_ratio.exp(), {}
+    ratio, high = log_ratio.exp(), hp.cliprange if hp.epsilon_high is None else hp.epsilon_high
+    with torch.no_grad():  # the ratios outside [1 - eps, 1 + eps_high] (cispo: above its cap), clipped by A's sign
+        low_out, high_out = ratio < 1 - hp.cliprange, ratio > (hp.epsilon_high if hp.loss_type == "cispo" else 1 + high)
+        extra = {"policy/clipfrac_avg": masked_mean((low_out | high_out).float(), mask),
+                 "policy/clipfrac_low_avg": masked_mean((low_out & (adv < 0)).float(), mask),
+                 "policy/clipfrac_high_avg": masked_mean((high_out & (adv > 0)).float(), mask)}
     if hp.loss_type == "cispo":
         losses = -ratio.clamp(max=hp.epsilon_high).detach() * adv * logprobs
     elif hp.loss_type == "sapo":
@@ -420,7 +425,6 @@ def policy_losses(logprobs: torch.Tensor, old_logprobs: torch.Tensor, adv: torch
         return -extra["policy/vespo_phi_avg"] * adv * logprobs, log_ratio, extra
     else:
         unclipped = ratio if hp.delta is None else ratio.clamp(max=hp.delta)
-        high = hp.cliprange if hp.epsilon_high is None else hp.epsilon_high
         losses = torch.max(-adv * unclipped, -adv * ratio.clamp(1 - hp.cliprange, 1 + high))
     return (losses if weight is None else losses * weight), log_ratio, extra
 
@@ -497,7 +501,6 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
     query_mask = (queries != pad_token_id).cumsum(1) > 0  # left padding is the leading run of pad tokens
     support = (hp.top_k, hp.top_p, hp.min_p)  # the sampler's filters: the policy's and the reference's logprobs
     sampler_logprobs = None if sampler_logprobs is None else sampler_logprobs.to(device)  # [B, T], moved once
-    high = hp.cliprange if hp.epsilon_high is None else hp.epsilon_high
 
     # 1. Masks: `valid` the response (no padding), `train` its tokens not masked out, `in_loss` those with a loss.
     valid = response_valid_mask(responses, pad_token_id, eos_token_id, None if masks is None else masks.to(device))
@@ -552,9 +555,9 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
 
     # 5. Clipped policy-gradient epochs over shuffled mini-batches of prompts; token losses aggregated by hp.loss_type.
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    stats = {key: [] for key in ("policy/approxkl_avg", "policy/clipfrac_avg", "policy/clipfrac_low_avg",
-                                 "policy/clipfrac_high_avg", "policy/entropy_avg", "loss/policy_avg", "loss/kl_avg",
-                                 "val/ratio", "policy/loss_token_frac",
+    stats = {key: [] for key in ("loss/policy_avg", "loss/kl_avg", "val/ratio", "policy/approxkl_avg",
+                                 "policy/entropy_avg", "policy/loss_token_frac", "policy/clipfrac_avg",
+                                 "policy/clipfrac_low_avg", "policy/clipfrac_high_avg",
                                  *["policy/vespo_phi_avg"] * (hp.loss_type == "vespo"))}  # one value per micro-batch
     mini, skipped = P // hp.num_mini_batches, 0
     for _ in range(hp.num_ppo_epochs):
@@ -581,19 +584,11 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
                 if not torch.isfinite(loss):
                     bad += 1
                     continue
-                with torch.no_grad():
-                    t = in_loss[i]
-                    low_out = ratio < 1 - hp.cliprange
-                    high_out = ratio > (hp.epsilon_high if hp.loss_type == "cispo" else 1 + high)  # cispo: its cap
-                    stats["loss/policy_avg"].append(masked_mean(pg_losses, t))
-                    stats["loss/kl_avg"].append(masked_mean(kl_losses, t))
-                    stats["policy/approxkl_avg"].append(0.5 * masked_mean(log_ratio ** 2, t))
-                    stats["policy/clipfrac_avg"].append(masked_mean((low_out | high_out).float(), t))
-                    stats["policy/clipfrac_low_avg"].append(masked_mean((low_out & (adv < 0)).float(), t))
-                    stats["policy/clipfrac_high_avg"].append(masked_mean((high_out & (adv > 0)).float(), t))
-                    stats["policy/entropy_avg"].append(masked_mean(entropy, t))
-                    stats["val/ratio"].append(masked_mean(ratio, t))
-                    stats["policy/loss_token_frac"].append(masked_mean(keep.float(), t))
+                with torch.no_grad():  # masked means over the trained tokens, then policy_losses' (the clip's, phi)
+                    for key, x in {"loss/policy_avg": pg_losses, "loss/kl_avg": kl_losses, "val/ratio": ratio,
+                                   "policy/approxkl_avg": 0.5 * log_ratio ** 2, "policy/entropy_avg": entropy,
+                                   "policy/loss_token_frac": keep.float()}.items():
+                        stats[key].append(masked_mean(x, in_loss[i]))
                     for key, value in extra.items():
                         stats[key].append(value.mean())
             if not step_or_skip(optimizer, params, global_sum(bad) > 0, hp.max_grad_norm, hp.skip_nonfinite):
