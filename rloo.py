@@ -484,13 +484,11 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
     first EOS); rewards [B] or [B, T] (summed per response, padding included); masks [B, T], 0 on tokens not to train
     on (tool output). Optional: sampler_logprobs [B, T] (logged; hp.sampler_correction_cap); ended [B], the responses
     that ended with EOS or a stop string (None: last token EOS). ref_policy None: adapters off. No dropout."""
-    (B, T), k = responses.shape, hp.rloo_k
-    if k < 2 or B % k:
-        raise ValueError(f"a batch of {B} responses does not hold whole groups of rloo_k = {k} (k must be >= 2)")
-    P, micro = B // k, B // k // (hp.num_mini_batches * hp.gradient_accumulation_steps)
-    if micro * hp.num_mini_batches * hp.gradient_accumulation_steps != P:
-        raise ValueError(f"{P} prompts do not split into {hp.num_mini_batches} mini-batches x "
-                         f"{hp.gradient_accumulation_steps} accumulation steps")
+    (B, T), k, splits = responses.shape, hp.rloo_k, hp.num_mini_batches * hp.gradient_accumulation_steps
+    if k < 2 or B % k or B // k % splits:
+        raise ValueError(f"{B} responses do not make whole groups of rloo_k = {k} >= 2 whose prompts split into "
+                         f"{hp.num_mini_batches} mini-batches of {hp.gradient_accumulation_steps} micro-batches")
+    P, micro = B // k, B // k // splits
     estimator = kl_estimator_for(hp)
     refuse_dropout(policy=policy, ref_policy=ref_policy)
     device = next(policy.parameters()).device
@@ -534,10 +532,8 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
                 with ref_context:
                     models.append(hidden(ref_model))
             parts.append(logprobs_on_support(models, responses[r], hp.temperature, support, hp.logits_chunk, valid[r]))
-        if need_old:
-            old_logprobs = torch.cat([p[0] for p in parts])
-        else:  # on-policy
-            old_logprobs = first[0].detach() if fused else torch.zeros(B, T, device=device)
+        old_logprobs = torch.cat([p[0] for p in parts]) if need_old else (  # on-policy: the training pass's own
+            first[0].detach() if fused else torch.zeros(B, T, device=device))  # (or filled micro-batch by micro-batch)
         ref_logprobs = torch.cat([p[-1] for p in parts]) if hp.kl_coef > 0 else None
         def kl_of(logprobs: torch.Tensor, i=slice(None)) -> torch.Tensor:  # [b, T] per-token KL of rows i (0 if no KL)
             return kl_penalty(logprobs, ref_logprobs[i], estimator) if hp.kl_coef > 0 else torch.zeros_like(logprobs)
@@ -570,11 +566,9 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
                 if not need_old and not fused:
                     old_logprobs[i] = new_logprobs.detach()
                 adv, sampled = advantages[i, None], old_logprobs[i] if sampler_logprobs is None else sampler_logprobs[i]
-                weight = None  # [b, T] the sampler correction, truncated at the cap
-                if hp.sampler_correction_cap is not None and sampler_logprobs is not None:
-                    weight = (old_logprobs[i] - sampled).exp().clamp(max=hp.sampler_correction_cap)
+                cap = hp.sampler_correction_cap  # the sampler correction, truncated (without sampler_logprobs: 1)
+                weight = None if cap is None else (old_logprobs[i] - sampled).exp().clamp(max=cap)  # [b, T]
                 pg_losses, log_ratio, extra = policy_losses(new_logprobs, old_logprobs[i], adv, in_loss[i], hp, weight)
-                ratio = log_ratio.exp()
                 keep = loss_token_mask(new_logprobs, entropy, adv, in_loss[i], sampled, hp)  # [b, T]
                 kl_losses = kl_of(new_logprobs, i)  # [b, T]
                 token_losses = pg_losses * keep if hp.kl_in_reward else pg_losses * keep + hp.kl_coef * kl_losses
@@ -585,7 +579,7 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
                     bad += 1
                     continue
                 with torch.no_grad():  # masked means over the trained tokens, then policy_losses' (the clip's, phi)
-                    for key, x in {"loss/policy_avg": pg_losses, "loss/kl_avg": kl_losses, "val/ratio": ratio,
+                    for key, x in {"loss/policy_avg": pg_losses, "loss/kl_avg": kl_losses, "val/ratio": log_ratio.exp(),
                                    "policy/approxkl_avg": 0.5 * log_ratio ** 2, "policy/entropy_avg": entropy,
                                    "policy/loss_token_frac": keep.float()}.items():
                         stats[key].append(masked_mean(x, in_loss[i]))
