@@ -397,8 +397,7 @@ def policy_losses(logprobs: torch.Tensor, old_logprobs: torch.Tensor, adv: torch
     rest, max(-A min(r, delta), -A clip(r, 1 - eps, 1 + eps_high)); cispo (MiniMax-M1) -sg(min(r, eps_high)) A log pi;
     sapo (SAPO) -A 4 / tau sigmoid(tau (r - 1)), tau by A's sign; vespo (VESPO) -sg(phi) A log pi, phi = w^k exp(lambda
     (1 - w)) of the response's w = exp(summed token log-ratios). weight [b, T]: the sampler correction."""
-    token_log_ratio = logprobs - old_logprobs  # [b, T]
-    log_ratio = token_log_ratio
+    log_ratio = token_log_ratio = logprobs - old_logprobs  # [b, T]
     if hp.importance_sampling_level != "token":  # one per response [b, 1]: mean (GSPO) or sum (TRL RLOO)
         n = mask.sum(1).clamp(min=1) if hp.importance_sampling_level == "sequence" else 1
         log_ratio = ((token_log_ratio * mask).sum(1) / n)[:, None]
@@ -435,14 +434,12 @@ def loss_token_mask(logprobs: torch.Tensor, entropy: torch.Tensor, adv: torch.Te
     processes (Wang et al. 2025, 80/20), of responses with A >= 0 or a mean KL(sampler || policy) <= threshold."""
     keep = mask
     if hp.off_policy_mask_threshold is not None:  # DeepSeek-V3.2's off-policy sequence masking
-        kl = ((sampler_logprobs - logprobs.detach()) * mask).sum(1, keepdim=True)  # [b, 1], then its mean
-        kl = kl / mask.sum(1, keepdim=True).clamp(min=1)
-        keep = keep & ((adv >= 0) | (kl <= hp.off_policy_mask_threshold))
+        kl = ((sampler_logprobs - logprobs.detach()) * mask).sum(1) / mask.sum(1).clamp(min=1)  # [b] a response's mean
+        keep = keep & ((adv >= 0) | (kl[:, None] <= hp.off_policy_mask_threshold))
     if hp.top_entropy_quantile < 1:
-        values = [entropy[mask].float()]  # every process's micro-batch
+        values = [entropy[mask].float()] * world_size()  # every process's micro-batch
         if world_size() > 1:
-            values = [None] * world_size()
-            torch.distributed.all_gather_object(values, entropy[mask].float().cpu())
+            torch.distributed.all_gather_object(values, values[0].cpu())
         values = torch.cat([v.to(entropy.device) for v in values])
         threshold = torch.quantile(values, 1 - hp.top_entropy_quantile) if values.numel() else float("inf")
         keep = keep & (entropy >= threshold)
@@ -636,8 +633,7 @@ def main(args: Args) -> None:
     if not 0 <= hp.top_entropy_quantile <= 1:
         fail("--top-entropy-quantile", hp.top_entropy_quantile, "is a share of the tokens: from 0 to 1 (1: all)")
     per_response = hp.importance_sampling_level != "token"  # TRL's warnings
-    if rank == 0 and (per_response and hp.loss_type not in ("grpo", "sapo", "luspo") or hp.loss_type == "luspo" and
-                      not per_response):
+    if rank == 0 and per_response != (hp.loss_type == "luspo") and hp.loss_type not in ("grpo", "sapo"):
         print(f"note: --loss-type {hp.loss_type} with --importance-sampling-level {hp.importance_sampling_level}: " + (
             "each response's one loss weighed by its length (GSPO: grpo; VESPO: token)" if per_response else "LUSPO "
             "takes a ratio per response (--importance-sampling-level sequence)"))
