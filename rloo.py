@@ -402,11 +402,10 @@ def policy_losses(logprobs: torch.Tensor, old_logprobs: torch.Tensor, adv: torch
         n = mask.sum(1).clamp(min=1) if hp.importance_sampling_level == "sequence" else 1
         log_ratio = ((token_log_ratio * mask).sum(1) / n)[:, None]
     ratio, high = log_ratio.exp(), hp.cliprange if hp.epsilon_high is None else hp.epsilon_high
-    with torch.no_grad():  # the ratios outside [1 - eps, 1 + eps_high] (cispo: above its cap), clipped by A's sign
-        low_out, high_out = ratio < 1 - hp.cliprange, ratio > (hp.epsilon_high if hp.loss_type == "cispo" else 1 + high)
-        extra = {"policy/clipfrac_avg": masked_mean((low_out | high_out).float(), mask),
-                 "policy/clipfrac_low_avg": masked_mean((low_out & (adv < 0)).float(), mask),
-                 "policy/clipfrac_high_avg": masked_mean((high_out & (adv > 0)).float(), mask)}
+    low_out, high_out = ratio < 1 - hp.cliprange, ratio > (hp.epsilon_high if hp.loss_type == "cispo" else 1 + high)
+    extra = {"policy/clipfrac_avg": masked_mean((low_out | high_out).float(), mask),  # outside (cispo: above its cap)
+             "policy/clipfrac_low_avg": masked_mean((low_out & (adv < 0)).float(), mask),  # clipped, by A's sign
+             "policy/clipfrac_high_avg": masked_mean((high_out & (adv > 0)).float(), mask)}
     if hp.loss_type == "cispo":
         losses = -ratio.clamp(max=hp.epsilon_high).detach() * adv * logprobs
     elif hp.loss_type == "sapo":
@@ -548,11 +547,7 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
 
     # 5. Clipped policy-gradient epochs over shuffled mini-batches of prompts; token losses aggregated by hp.loss_type.
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    stats = {key: [] for key in ("loss/policy_avg", "loss/kl_avg", "val/ratio", "policy/approxkl_avg",
-                                 "policy/entropy_avg", "policy/loss_token_frac", "policy/clipfrac_avg",
-                                 "policy/clipfrac_low_avg", "policy/clipfrac_high_avg",
-                                 *["policy/vespo_phi_avg"] * (hp.loss_type == "vespo"))}  # one value per micro-batch
-    mini, skipped = P // hp.num_mini_batches, 0
+    mini, skipped, stats = P // hp.num_mini_batches, 0, []  # stats: the metrics of each finite micro-batch
     for _ in range(hp.num_ppo_epochs):
         for mb in torch.randperm(P, device=device).split(mini):  # shuffled mini-batches of prompts
             n_loss = global_sum(in_loss.view(P, k, T)[mb].sum().float()).clamp(min=1) / world_size()
@@ -572,31 +567,28 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
                 loss = aggregate_loss(token_losses, in_loss[i], hp.loss_type, n_loss, hp.gradient_accumulation_steps,
                                       hp.max_completion_length or T)
                 loss.backward()  # even when not finite: every process runs the same collectives
-                if not torch.isfinite(loss):
-                    bad += 1
-                    continue
                 with torch.no_grad():  # masked means over the trained tokens, then policy_losses' (the clip's, phi)
-                    for key, x in {"loss/policy_avg": pg_losses, "loss/kl_avg": kl_losses, "val/ratio": log_ratio.exp(),
-                                   "policy/approxkl_avg": 0.5 * log_ratio ** 2, "policy/entropy_avg": entropy,
-                                   "policy/loss_token_frac": keep.float()}.items():
-                        stats[key].append(masked_mean(x, in_loss[i]))
-                    for key, value in extra.items():
-                        stats[key].append(value.mean())
+                    row = {key: masked_mean(x, in_loss[i]) for key, x in (
+                        ("loss/policy_avg", pg_losses), ("loss/kl_avg", kl_losses), ("val/ratio", log_ratio.exp()),
+                        ("policy/approxkl_avg", 0.5 * log_ratio ** 2), ("policy/entropy_avg", entropy),
+                        ("policy/loss_token_frac", keep.float()))} | {key: value.mean() for key, value in extra.items()}
+                if torch.isfinite(loss):
+                    stats.append(row)
+                else:
+                    bad += 1
             if not step_or_skip(optimizer, params, global_sum(bad) > 0, hp.max_grad_norm, hp.skip_nonfinite):
                 skipped += 1
 
-    # 6. Metrics (means over this process's batch; the caller averages them over processes).
+    # 6. Metrics: means over this process's batch (`row`'s over its finite micro-batches); the caller's over processes.
     return {
-        "objective/kl": (kl_of(old_logprobs) * train).sum(1).mean().item(),
-        "objective/entropy": (-old_logprobs * train).sum(1).mean().item(),
+        "objective/kl": (kl_of(old_logprobs) * train).sum(1).mean().item(), "objective/scores": scores.mean().item(),
+        "objective/entropy": (-old_logprobs * train).sum(1).mean().item(), "loss/nonfinite_skipped": float(skipped),
         "objective/non_score_reward": non_score.mean().item(), "objective/rlhf_reward": sequence_rewards.mean().item(),
-        "objective/scores": scores.mean().item(),
-        **{key: torch.stack(values).mean().item() if values else float("nan") for key, values in stats.items()},
-        "val/ratio_var": torch.stack(stats["val/ratio"]).var().item() if len(stats["val/ratio"]) > 1 else 0.0,
+        **{key: torch.stack([s[key] for s in stats]).mean().item() if stats else float("nan") for key in row},
+        "val/ratio_var": torch.stack([s["val/ratio"] for s in stats]).var().item() if len(stats) > 1 else 0.0,
         "val/num_eos_tokens": eos.sum().item(), "val/response_length": valid.sum(1).float().mean().item(),
-        "val/truncated_frac": (~ended).float().mean().item(),
+        "val/truncated_frac": (~ended).float().mean().item(), "rloo/frac_equal_groups": equal_groups.item(),
         "rloo/baseline_avg": baselines.mean().item(), "rloo/advantage_std": advantage_std.item(),
-        "rloo/frac_equal_groups": equal_groups.item(), "loss/nonfinite_skipped": float(skipped),
         **({} if sampler_logprobs is None else sampler_metrics(old_logprobs, sampler_logprobs, train)),
     }
 
