@@ -219,18 +219,15 @@ class RLOOHParams:
     """clip the ratio to [1 - cliprange, 1 + epsilon_high] (DAPO's clip-higher; None: cliprange); cispo: its cap"""
     delta: float | None = None
     """cap the unclipped ratio at delta too: above 1 + epsilon_high, the ratio of negative advantages (INTELLECT-2)"""
+    # sapo: the gate's temperature for tokens of positive advantage (_pos) and for the others (_neg)
     sapo_temperature_pos: float = 1.0
-    """sapo: the gate's temperature for tokens of positive advantage"""
     sapo_temperature_neg: float = 1.05
-    """sapo: the gate's temperature for the others"""
+    # vespo: the weight w^k exp(lambda (1 - w)) of the response's ratio w: k its power (how fast w < 1 is weighted
+    # down), lambda its decay (how fast w > 1 is), for positive advantages (_pos) and for the others (_neg)
     vespo_k_pos: float = 2.0
-    """vespo: the weight's power of the response's ratio w, positive advantages (how fast w < 1 is weighted down)"""
     vespo_lambda_pos: float = 3.0
-    """vespo: the weight's decay in w, positive advantages (how fast w > 1 is weighted down)"""
     vespo_k_neg: float = 3.0
-    """vespo: the power for the other advantages"""
     vespo_lambda_neg: float = 2.0
-    """vespo: the decay for the other advantages"""
     top_entropy_quantile: float = 1.0
     """policy loss only on the tokens of the highest entropy, this share of each micro-batch's (the 80/20 rule: 0.2)"""
     off_policy_mask_threshold: float | None = None
@@ -680,8 +677,7 @@ def main(args: Args) -> None:
                 group = {key: v[i:i + hp.rloo_k] for key, v in out.items() if torch.is_tensor(v)}
                 signal = not args.dynamic_sampling or bool((group["rewards"] != group["rewards"][0]).any())
                 (kept if signal else aside).append(group)
-        if rounds > 1 or aside:  # one batch from several rounds; set-aside groups fill it where they ran out
-            out = stack_groups((kept + aside)[:local_prompts], tokenizer.pad_token_id)
+        out = stack_groups((kept + aside)[:local_prompts], tokenizer.pad_token_id)  # set-aside groups fill the rest
         check_scores_vary(out["rewards"].to(device), spreads, args.model == "builtin", rank)  # said once if never
         # 9. Update: one rloo_step on the batch.
         try:
