@@ -364,8 +364,7 @@ def kl_estimator_for(hp: RLOOHParams) -> str:
     if hp.kl_estimator == "auto":
         return "k1" if hp.kl_in_reward else "k2"
     if hp.kl_in_reward and hp.kl_estimator == "k2":
-        raise ValueError("in the reward the KL's value counts and k2 is biased: use k1 or k3 there, or move the KL "
-                         "into the loss")
+        raise ValueError("the reward takes the KL's value and k2's is biased: use k1 or k3, or put the KL in the loss")
     if not hp.kl_in_reward and hp.kl_estimator == "k1":
         raise ValueError("in the loss k1's gradient is 0 in expectation (no KL penalty at all): use k2 (per token, the "
                          "gradient of KL(policy || ref)) or k3 (of KL(ref || policy)), or keep the KL in the reward")
@@ -390,10 +389,8 @@ def group_advantages(rewards: torch.Tensor, k: int, baseline: str, scale: str) -
 def policy_losses(logprobs: torch.Tensor, old_logprobs: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
                   hp: RLOOHParams, weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Token losses [b, T], log-ratios [b, T] (or [b, 1], one per response) of logprobs to old_logprobs on mask and the
-    clip's metrics, advantages adv [b, 1], by hp.loss_type as TRL 1.16 (docs/rloo.md, the family): PPO's clip for the
-    rest, max(-A min(r, delta), -A clip(r, 1 - eps, 1 + eps_high)); cispo (MiniMax-M1) -sg(min(r, eps_high)) A log pi;
-    sapo (SAPO) -A 4 / tau sigmoid(tau (r - 1)), tau by A's sign; vespo (VESPO) -sg(phi) A log pi, phi = w^k exp(lambda
-    (1 - w)) of the response's w = exp(summed token log-ratios). weight [b, T]: the sampler correction."""
+    clip's metrics, advantages adv [b, 1], by hp.loss_type as TRL 1.16 (docs/rloo.md, the family): cispo, sapo, vespo,
+    or PPO's clip for the rest; each formula at its branch, r the ratio. weight [b, T]: the sampler correction."""
     log_ratio = token_log_ratio = logprobs - old_logprobs  # [b, T]
     if hp.importance_sampling_level != "token":  # one per response [b, 1]: mean (GSPO) or sum (TRL RLOO)
         n = mask.sum(1).clamp(min=1) if hp.importance_sampling_level == "sequence" else 1
@@ -403,13 +400,13 @@ def policy_losses(logprobs: torch.Tensor, old_logprobs: torch.Tensor, adv: torch
     extra = {"policy/clipfrac_avg": masked_mean((low_out | high_out).float(), mask),  # outside (cispo: above its cap)
              "policy/clipfrac_low_avg": masked_mean((low_out & (adv < 0)).float(), mask),  # clipped, by A's sign
              "policy/clipfrac_high_avg": masked_mean((high_out & (adv > 0)).float(), mask)}
-    if hp.loss_type == "cispo":
+    if hp.loss_type == "cispo":  # MiniMax-M1: -sg(min(r, eps_high)) A log pi
         losses = -ratio.clamp(max=hp.epsilon_high).detach() * adv * logprobs
-    elif hp.loss_type == "sapo":
+    elif hp.loss_type == "sapo":  # SAPO: -A 4 / tau sigmoid(tau (r - 1)), tau by A's sign
         tau = torch.where(adv > 0, hp.sapo_temperature_pos, hp.sapo_temperature_neg)
         losses = -adv * torch.sigmoid(tau * (ratio - 1)) * 4 / tau
-    elif hp.loss_type == "vespo":  # w and phi in log space, clamped as TRL (and the paper's code)
-        with torch.no_grad():
+    elif hp.loss_type == "vespo":  # VESPO: -sg(phi) A log pi, phi = w^k exp(lambda (1 - w)) of the response's ratio w
+        with torch.no_grad():  # w and phi in log space, clamped as TRL (and the paper's code)
             log_w = (token_log_ratio.clamp(-20, 20) * mask).sum(1, keepdim=True)  # [b, 1]
             if weight is not None:
                 log_w += (weight.log().clamp(math.log(1e-8), 20) * mask).sum(1, keepdim=True)
@@ -418,7 +415,7 @@ def policy_losses(logprobs: torch.Tensor, old_logprobs: torch.Tensor, adv: torch
             lam = torch.where(adv >= 0, hp.vespo_lambda_pos, hp.vespo_lambda_neg).clamp(min=1e-4)
             extra["policy/vespo_phi_avg"] = (lam + k * log_w - lam * log_w.exp()).exp().nan_to_num(0.0, 0.0, 0.0)
         return -extra["policy/vespo_phi_avg"] * adv * logprobs, log_ratio, extra
-    else:
+    else:  # PPO's clip: max(-A min(r, delta), -A clip(r, 1 - eps, 1 + eps_high))
         unclipped = ratio if hp.delta is None else ratio.clamp(max=hp.delta)
         losses = torch.max(-adv * unclipped, -adv * ratio.clamp(1 - hp.cliprange, 1 + high))
     return (losses if weight is None else losses * weight), log_ratio, extra
@@ -444,9 +441,8 @@ def loss_token_mask(logprobs: torch.Tensor, entropy: torch.Tensor, adv: torch.Te
 
 def aggregate_loss(losses: torch.Tensor, mask: torch.Tensor, loss_type: str, tokens: torch.Tensor,
                    accumulation: int, max_completion_length: int) -> torch.Tensor:
-    """One micro-batch's loss from token losses [b, T] on mask [b, T] as TRL's loss_type: dapo (cispo, vespo), the sum
-    over `tokens` (the mini-batch's, all processes); per micro-batch / accumulation: bnpo, grpo (sapo) response means,
-    luspo response sums, dr_grpo."""
+    """One micro-batch's loss from token losses [b, T] on mask [b, T] by TRL's loss_type: dapo (cispo, vespo) sums
+    over `tokens`, the mini-batch's on all processes; the others are per micro-batch, over `accumulation`."""
     if loss_type in ("dapo", "cispo", "vespo"):
         return (losses * mask).sum() / tokens
     if loss_type == "bnpo":
@@ -506,7 +502,6 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
         with autocast(hp.dtype, device):
             return response_logprobs(policy, queries[p], query_mask[p], responses[i], valid[i], hp.temperature,
                                      support, True, chunk=hp.logits_chunk)
-
     on_policy = hp.num_ppo_epochs == 1 and hp.num_mini_batches == 1
     fused = on_policy and hp.gradient_accumulation_steps == 1
     need_old = not on_policy or (hp.kl_in_reward and hp.kl_coef > 0 and not fused)
@@ -534,10 +529,9 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
         # 3. Sequence rewards: score minus kl_coef x the summed KL of the trained tokens (when the KL is in the reward).
         scores = rewards if rewards.dim() == 1 else rewards.sum(1)  # [B]: all of it, padding positions too
         non_score = -hp.kl_coef * (kl_of(old_logprobs) * train).sum(1) if hp.kl_in_reward else torch.zeros_like(scores)
-        sequence_rewards = scores + non_score  # [B]
 
         # 4. Baselines and advantages: leave-one-out or the group mean, optionally over the group's or batch's std.
-        advantages, baselines = group_advantages(sequence_rewards, k, hp.baseline, hp.scale_rewards)
+        advantages, baselines = group_advantages(scores + non_score, k, hp.baseline, hp.scale_rewards)
         n = global_sum(torch.tensor(float(B), device=device))
         advantage_std = torch.sqrt(global_sum((advantages ** 2).sum()) / n)  # the advantages have mean 0 per prompt
         equal_groups = (scores.view(P, k) == scores.view(P, k)[:, :1]).all(1).float().mean()  # no task signal
@@ -580,12 +574,12 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
     return {
         "objective/kl": (kl_of(old_logprobs) * train).sum(1).mean().item(), "objective/scores": scores.mean().item(),
         "objective/entropy": (-old_logprobs * train).sum(1).mean().item(), "loss/nonfinite_skipped": float(skipped),
-        "objective/non_score_reward": non_score.mean().item(), "objective/rlhf_reward": sequence_rewards.mean().item(),
+        "objective/non_score_reward": non_score.mean().item(), "rloo/frac_equal_groups": equal_groups.item(),
+        "objective/rlhf_reward": (scores + non_score).mean().item(), "rloo/advantage_std": advantage_std.item(),
         **{key: torch.stack([s[key] for s in stats]).mean().item() if stats else float("nan") for key in row},
         "val/ratio_var": torch.stack([s["val/ratio"] for s in stats]).var().item() if len(stats) > 1 else 0.0,
         "val/num_eos_tokens": eos.sum().item(), "val/response_length": valid.sum(1).float().mean().item(),
-        "val/truncated_frac": (~ended).float().mean().item(), "rloo/frac_equal_groups": equal_groups.item(),
-        "rloo/baseline_avg": baselines.mean().item(), "rloo/advantage_std": advantage_std.item(),
+        "val/truncated_frac": (~ended).float().mean().item(), "rloo/baseline_avg": baselines.mean().item(),
         **({} if sampler_logprobs is None else sampler_metrics(old_logprobs, sampler_logprobs, train)),
     }
 
