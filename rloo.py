@@ -496,16 +496,15 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
     ended = eos.any(1) if ended is None else ended.to(device).bool()  # [B] ended with EOS (or a stop string)
     in_loss = train & ended[:, None] if hp.mask_truncated_completions else train  # [B, T]
 
-    # 2. Rollout passes, no gradients, by whole prompts: the policy's old logprobs if needed (on-policy: the training
-    # pass's own, run here if one batch), the reference's on the sampler's support (a filter: the policy runs here too).
+    # 2. Rollout passes, no gradients, by whole prompts: the reference's logprobs, the policy's old ones if needed.
     def forward(p, i) -> tuple:  # the update's forward pass, with gradients: logprobs and entropy of prompts p, rows i
         with autocast(hp.dtype, device):
             return response_logprobs(policy, queries[p], query_mask[p], responses[i], valid[i], hp.temperature,
                                      support, True, chunk=hp.logits_chunk)
     on_policy = hp.num_ppo_epochs == 1 and hp.num_mini_batches == 1
-    fused = on_policy and hp.gradient_accumulation_steps == 1
+    fused = on_policy and hp.gradient_accumulation_steps == 1  # one batch on-policy: its training pass runs here
     need_old = not on_policy or (hp.kl_in_reward and hp.kl_coef > 0 and not fused)
-    with_policy = need_old or (hp.kl_coef > 0 and support != (0, 1.0, 0.0))
+    with_policy = need_old or (hp.kl_coef > 0 and support != (0, 1.0, 0.0))  # the reference on the policy's support
     per_chunk = max(1, hp.forward_batch_size // k)
     chunks = [(slice(p, p + per_chunk), slice(p * k, (p + per_chunk) * k)) for p in range(0, P, per_chunk)]
     first = forward(slice(None), slice(None)) if fused else None  # [B, T] each
@@ -586,13 +585,10 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
 
 def stack_groups(groups: list[dict], pad_token_id: int) -> dict:
     """One batch from groups of k rows ({key: [k] or [k, L]}); [k, L] padded as the rollout pads: queries left."""
-    batch = {}
-    for key, first in groups[0].items():
-        rows = [row for group in groups for row in group[key]]
-        side, fill = ("left" if key == "queries" else "right"), (pad_token_id if key in ("queries", "responses") else 0)
-        batch[key] = torch.stack(rows) if first.dim() == 1 else torch.nn.utils.rnn.pad_sequence(
-            rows, batch_first=True, padding_value=fill, padding_side=side)
-    return batch
+    rows = {key: [row for group in groups for row in group[key]] for key in groups[0]}  # each key's rows, in order
+    return {key: torch.stack(r) if r[0].dim() == 0 else torch.nn.utils.rnn.pad_sequence(
+        r, batch_first=True, padding_value=pad_token_id if key in ("queries", "responses") else 0,
+        padding_side="left" if key == "queries" else "right") for key, r in rows.items()}
 
 
 # The loop. It calls the machinery below the marker: Python looks a name up when the call runs, so that is fine.
