@@ -537,7 +537,7 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
 
     # 5. Clipped policy-gradient epochs over shuffled mini-batches of prompts; token losses aggregated by hp.loss_type.
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    mini, skipped, stats = P // hp.num_mini_batches, 0, []  # stats: the metrics of each finite micro-batch
+    mini, skipped, stats, row = P // hp.num_mini_batches, 0, [], {}  # stats: each finite micro-batch's metrics (row)
     for _ in range(hp.num_ppo_epochs):
         for mb in torch.randperm(P, device=device).split(mini):  # shuffled mini-batches of prompts
             n_loss = global_sum(in_loss.view(P, k, T)[mb].sum().float()).clamp(min=1) / world_size()
