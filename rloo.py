@@ -219,18 +219,15 @@ class RLOOHParams:
     """clip the ratio to [1 - cliprange, 1 + epsilon_high] (DAPO's clip-higher; None: cliprange); cispo: its cap"""
     delta: float | None = None
     """cap the unclipped ratio at delta too: above 1 + epsilon_high, the ratio of negative advantages (INTELLECT-2)"""
+    # sapo: the gate's temperature for tokens of positive advantage (_pos) and for the others (_neg)
     sapo_temperature_pos: float = 1.0
-    """sapo: the gate's temperature for tokens of positive advantage"""
     sapo_temperature_neg: float = 1.05
-    """sapo: the gate's temperature for the others"""
+    # vespo: the weight w^k exp(lambda (1 - w)) of the response's ratio w: k its power (how fast w < 1 is weighted
+    # down), lambda its decay (how fast w > 1 is), for positive advantages (_pos) and for the others (_neg)
     vespo_k_pos: float = 2.0
-    """vespo: the weight's power of the response's ratio w, positive advantages (how fast w < 1 is weighted down)"""
     vespo_lambda_pos: float = 3.0
-    """vespo: the weight's decay in w, positive advantages (how fast w > 1 is weighted down)"""
     vespo_k_neg: float = 3.0
-    """vespo: the power for the other advantages"""
     vespo_lambda_neg: float = 2.0
-    """vespo: the decay for the other advantages"""
     top_entropy_quantile: float = 1.0
     """policy loss only on the tokens of the highest entropy, this share of each micro-batch's (the 80/20 rule: 0.2)"""
     off_policy_mask_threshold: float | None = None
@@ -270,7 +267,7 @@ class RLOOHParams:
 
 
 # Named configurations, docs/rloo.md's table: `python rloo.py grpo --rloo-k 8` (flags after the name override it).
-FAMILY = "--baseline group_mean --scale-rewards group --kl-coef 0"  # group-scaled advantages, no KL
+FAMILY = "--baseline group_mean --scale-rewards group --kl-coef 0 --num-mini-batches 4"  # group-scaled, no KL
 RECIPES = {  # name: (what it is, its flags)
     "rloo": ("RLOO as in its paper: leave-one-out baseline, KL (k1) in the reward (the defaults)", ""),
     "trl_rloo": ("TRL's RLOOTrainer defaults: k = 2, KL in the reward, a ratio per response (summed)",
@@ -280,19 +277,18 @@ RECIPES = {  # name: (what it is, its flags)
              "--kl-coef 0.04"),
     "dr_grpo": ("Dr. GRPO: GRPO without the std scaling and the length normalisation, no KL",
                 "--baseline group_mean --loss-type dr_grpo --kl-coef 0"),
-    "dapo": ("DAPO: dynamic sampling, clip-higher, truncated responses masked, no KL", f"--dynamic-sampling {FAMILY} "
-             "--epsilon-high 0.28 --mask-truncated-completions --num-mini-batches 4"),
+    "dapo": ("DAPO: dynamic sampling, clip-higher, truncated responses masked, no KL",
+             f"--dynamic-sampling {FAMILY} --epsilon-high 0.28 --mask-truncated-completions"),
     "gspo": ("GSPO: one importance ratio per response, clipped to [1 - 3e-4, 1 + 4e-4], no KL, 4 mini-batches",
-             f"{FAMILY} --loss-type grpo --importance-sampling-level sequence --cliprange 3e-4 --epsilon-high 4e-4 "
-             "--num-mini-batches 4"),
+             f"{FAMILY} --loss-type grpo --importance-sampling-level sequence --cliprange 3e-4 --epsilon-high 4e-4"),
     "cispo": ("CISPO (MiniMax-M1): the ratio capped at 5 and held constant, every token's gradient kept, no KL",
-              f"{FAMILY} --loss-type cispo --epsilon-high 5.0 --num-mini-batches 4"),
+              f"{FAMILY} --loss-type cispo --epsilon-high 5.0"),
     "sapo": ("SAPO: a soft gate on the ratio in place of the clip (temperatures 1 and 1.05), no KL, 4 mini-batches",
-             f"{FAMILY} --loss-type sapo --num-mini-batches 4"),
+             f"{FAMILY} --loss-type sapo"),
     "vespo": ("VESPO: a smooth weight of each response's ratio in place of the clip, no KL, 4 mini-batches",
-              f"{FAMILY} --loss-type vespo --num-mini-batches 4"),
-    "luspo": ("LUSPO: GSPO with each response's loss times its length, no KL, 4 mini-batches", f"{FAMILY} --loss-type "
-              "luspo --importance-sampling-level sequence --cliprange 3e-4 --epsilon-high 4e-4 --num-mini-batches 4"),
+              f"{FAMILY} --loss-type vespo"),
+    "luspo": ("LUSPO: GSPO with each response's loss times its length, no KL, 4 mini-batches",
+              f"{FAMILY} --loss-type luspo --importance-sampling-level sequence --cliprange 3e-4 --epsilon-high 4e-4"),
 }
 
 
@@ -368,8 +364,7 @@ def kl_estimator_for(hp: RLOOHParams) -> str:
     if hp.kl_estimator == "auto":
         return "k1" if hp.kl_in_reward else "k2"
     if hp.kl_in_reward and hp.kl_estimator == "k2":
-        raise ValueError("in the reward the KL's value counts and k2 is biased: use k1 or k3 there, or move the KL "
-                         "into the loss")
+        raise ValueError("the reward takes the KL's value and k2's is biased: use k1 or k3, or put the KL in the loss")
     if not hp.kl_in_reward and hp.kl_estimator == "k1":
         raise ValueError("in the loss k1's gradient is 0 in expectation (no KL penalty at all): use k2 (per token, the "
                          "gradient of KL(policy || ref)) or k3 (of KL(ref || policy)), or keep the KL in the reward")
@@ -393,24 +388,25 @@ def group_advantages(rewards: torch.Tensor, k: int, baseline: str, scale: str) -
 
 def policy_losses(logprobs: torch.Tensor, old_logprobs: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
                   hp: RLOOHParams, weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """Token losses [b, T], log-ratios [b, T] (or [b, 1], one per response) of logprobs to old_logprobs on mask, with
-    advantages adv [b, 1], by hp.loss_type as TRL 1.16 (docs/rloo.md, the family): PPO's clip for the rest,
-    max(-A min(r, delta), -A clip(r, 1 - eps, 1 + eps_high)); cispo (MiniMax-M1) -sg(min(r, eps_high)) A log pi;
-    sapo (SAPO) -A 4 / tau sigmoid(tau (r - 1)), tau by A's sign; vespo (VESPO) -sg(phi) A log pi, phi = w^k
-    exp(lambda (1 - w)) of the response's w = exp(summed token log-ratios). weight [b, T]: the sampler correction."""
-    token_log_ratio = logprobs - old_logprobs  # [b, T]
-    log_ratio = token_log_ratio
+    """Token losses [b, T], log-ratios [b, T] (or [b, 1], one per response) of logprobs to old_logprobs on mask and the
+    clip's metrics, advantages adv [b, 1], by hp.loss_type as TRL 1.16 (docs/rloo.md, the family): cispo, sapo, vespo,
+    or PPO's clip for the rest; each formula at its branch, r the ratio. weight [b, T]: the sampler correction."""
+    log_ratio = token_log_ratio = logprobs - old_logprobs  # [b, T]
     if hp.importance_sampling_level != "token":  # one per response [b, 1]: mean (GSPO) or sum (TRL RLOO)
         n = mask.sum(1).clamp(min=1) if hp.importance_sampling_level == "sequence" else 1
         log_ratio = ((token_log_ratio * mask).sum(1) / n)[:, None]
-    ratio, extra = log_ratio.exp(), {}
-    if hp.loss_type == "cispo":
+    ratio, high = log_ratio.exp(), hp.cliprange if hp.epsilon_high is None else hp.epsilon_high
+    low_out, high_out = ratio < 1 - hp.cliprange, ratio > (hp.epsilon_high if hp.loss_type == "cispo" else 1 + high)
+    extra = {"policy/clipfrac_avg": masked_mean((low_out | high_out).float(), mask),  # outside (cispo: above its cap)
+             "policy/clipfrac_low_avg": masked_mean((low_out & (adv < 0)).float(), mask),  # clipped, by A's sign
+             "policy/clipfrac_high_avg": masked_mean((high_out & (adv > 0)).float(), mask)}
+    if hp.loss_type == "cispo":  # MiniMax-M1: -sg(min(r, eps_high)) A log pi
         losses = -ratio.clamp(max=hp.epsilon_high).detach() * adv * logprobs
-    elif hp.loss_type == "sapo":
+    elif hp.loss_type == "sapo":  # SAPO: -A 4 / tau sigmoid(tau (r - 1)), tau by A's sign
         tau = torch.where(adv > 0, hp.sapo_temperature_pos, hp.sapo_temperature_neg)
         losses = -adv * torch.sigmoid(tau * (ratio - 1)) * 4 / tau
-    elif hp.loss_type == "vespo":  # w and phi in log space, clamped as TRL (and the paper's code)
-        with torch.no_grad():
+    elif hp.loss_type == "vespo":  # VESPO: -sg(phi) A log pi, phi = w^k exp(lambda (1 - w)) of the response's ratio w
+        with torch.no_grad():  # w and phi in log space, clamped as TRL (and the paper's code)
             log_w = (token_log_ratio.clamp(-20, 20) * mask).sum(1, keepdim=True)  # [b, 1]
             if weight is not None:
                 log_w += (weight.log().clamp(math.log(1e-8), 20) * mask).sum(1, keepdim=True)
@@ -419,9 +415,8 @@ def policy_losses(logprobs: torch.Tensor, old_logprobs: torch.Tensor, adv: torch
             lam = torch.where(adv >= 0, hp.vespo_lambda_pos, hp.vespo_lambda_neg).clamp(min=1e-4)
             extra["policy/vespo_phi_avg"] = (lam + k * log_w - lam * log_w.exp()).exp().nan_to_num(0.0, 0.0, 0.0)
         return -extra["policy/vespo_phi_avg"] * adv * logprobs, log_ratio, extra
-    else:
+    else:  # PPO's clip: max(-A min(r, delta), -A clip(r, 1 - eps, 1 + eps_high))
         unclipped = ratio if hp.delta is None else ratio.clamp(max=hp.delta)
-        high = hp.cliprange if hp.epsilon_high is None else hp.epsilon_high
         losses = torch.max(-adv * unclipped, -adv * ratio.clamp(1 - hp.cliprange, 1 + high))
     return (losses if weight is None else losses * weight), log_ratio, extra
 
@@ -432,14 +427,12 @@ def loss_token_mask(logprobs: torch.Tensor, entropy: torch.Tensor, adv: torch.Te
     processes (Wang et al. 2025, 80/20), of responses with A >= 0 or a mean KL(sampler || policy) <= threshold."""
     keep = mask
     if hp.off_policy_mask_threshold is not None:  # DeepSeek-V3.2's off-policy sequence masking
-        kl = ((sampler_logprobs - logprobs.detach()) * mask).sum(1, keepdim=True)  # [b, 1], then its mean
-        kl = kl / mask.sum(1, keepdim=True).clamp(min=1)
-        keep = keep & ((adv >= 0) | (kl <= hp.off_policy_mask_threshold))
+        kl = ((sampler_logprobs - logprobs.detach()) * mask).sum(1) / mask.sum(1).clamp(min=1)  # [b] a response's mean
+        keep = keep & ((adv >= 0) | (kl[:, None] <= hp.off_policy_mask_threshold))
     if hp.top_entropy_quantile < 1:
-        values = [entropy[mask].float()]  # every process's micro-batch
+        values = [entropy[mask].float()] * world_size()  # every process's micro-batch
         if world_size() > 1:
-            values = [None] * world_size()
-            torch.distributed.all_gather_object(values, entropy[mask].float().cpu())
+            torch.distributed.all_gather_object(values, values[0].cpu())
         values = torch.cat([v.to(entropy.device) for v in values])
         threshold = torch.quantile(values, 1 - hp.top_entropy_quantile) if values.numel() else float("inf")
         keep = keep & (entropy >= threshold)
@@ -448,9 +441,8 @@ def loss_token_mask(logprobs: torch.Tensor, entropy: torch.Tensor, adv: torch.Te
 
 def aggregate_loss(losses: torch.Tensor, mask: torch.Tensor, loss_type: str, tokens: torch.Tensor,
                    accumulation: int, max_completion_length: int) -> torch.Tensor:
-    """One micro-batch's loss from token losses [b, T] on mask [b, T] as TRL's loss_type: dapo (cispo, vespo), the sum
-    over `tokens` (the mini-batch's, all processes); per micro-batch / accumulation: bnpo, grpo (sapo) response means,
-    luspo response sums, dr_grpo."""
+    """One micro-batch's loss from token losses [b, T] on mask [b, T] by TRL's loss_type: dapo (cispo, vespo) sums
+    over `tokens`, the mini-batch's on all processes; the others are per micro-batch, over `accumulation`."""
     if loss_type in ("dapo", "cispo", "vespo"):
         return (losses * mask).sum() / tokens
     if loss_type == "bnpo":
@@ -481,13 +473,11 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
     first EOS); rewards [B] or [B, T] (summed per response, padding included); masks [B, T], 0 on tokens not to train
     on (tool output). Optional: sampler_logprobs [B, T] (logged; hp.sampler_correction_cap); ended [B], the responses
     that ended with EOS or a stop string (None: last token EOS). ref_policy None: adapters off. No dropout."""
-    (B, T), k = responses.shape, hp.rloo_k
-    if k < 2 or B % k:
-        raise ValueError(f"a batch of {B} responses does not hold whole groups of rloo_k = {k} (k must be >= 2)")
-    P, micro = B // k, B // k // (hp.num_mini_batches * hp.gradient_accumulation_steps)
-    if micro * hp.num_mini_batches * hp.gradient_accumulation_steps != P:
-        raise ValueError(f"{P} prompts do not split into {hp.num_mini_batches} mini-batches x "
-                         f"{hp.gradient_accumulation_steps} accumulation steps")
+    (B, T), k, splits = responses.shape, hp.rloo_k, hp.num_mini_batches * hp.gradient_accumulation_steps
+    if k < 2 or B % k or B // k % splits:
+        raise ValueError(f"{B} responses do not make whole groups of rloo_k = {k} >= 2 whose prompts split into "
+                         f"{hp.num_mini_batches} mini-batches of {hp.gradient_accumulation_steps} micro-batches")
+    P, micro = B // k, B // k // splits
     estimator = kl_estimator_for(hp)
     refuse_dropout(policy=policy, ref_policy=ref_policy)
     device = next(policy.parameters()).device
@@ -498,7 +488,6 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
     query_mask = (queries != pad_token_id).cumsum(1) > 0  # left padding is the leading run of pad tokens
     support = (hp.top_k, hp.top_p, hp.min_p)  # the sampler's filters: the policy's and the reference's logprobs
     sampler_logprobs = None if sampler_logprobs is None else sampler_logprobs.to(device)  # [B, T], moved once
-    high = hp.cliprange if hp.epsilon_high is None else hp.epsilon_high
 
     # 1. Masks: `valid` the response (no padding), `train` its tokens not masked out, `in_loss` those with a loss.
     valid = response_valid_mask(responses, pad_token_id, eos_token_id, None if masks is None else masks.to(device))
@@ -507,17 +496,15 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
     ended = eos.any(1) if ended is None else ended.to(device).bool()  # [B] ended with EOS (or a stop string)
     in_loss = train & ended[:, None] if hp.mask_truncated_completions else train  # [B, T]
 
-    # 2. Rollout passes, no gradients, by whole prompts: the policy's old logprobs if needed (on-policy: the training
-    # pass's own, run here if one batch), the reference's on the sampler's support (a filter: the policy runs here too).
+    # 2. Rollout passes, no gradients, by whole prompts: the reference's logprobs, the policy's old ones if needed.
     def forward(p, i) -> tuple:  # the update's forward pass, with gradients: logprobs and entropy of prompts p, rows i
         with autocast(hp.dtype, device):
             return response_logprobs(policy, queries[p], query_mask[p], responses[i], valid[i], hp.temperature,
                                      support, True, chunk=hp.logits_chunk)
-
     on_policy = hp.num_ppo_epochs == 1 and hp.num_mini_batches == 1
-    fused = on_policy and hp.gradient_accumulation_steps == 1
+    fused = on_policy and hp.gradient_accumulation_steps == 1  # one batch on-policy: its training pass runs here
     need_old = not on_policy or (hp.kl_in_reward and hp.kl_coef > 0 and not fused)
-    with_policy = need_old or (hp.kl_coef > 0 and support != (0, 1.0, 0.0))
+    with_policy = need_old or (hp.kl_coef > 0 and support != (0, 1.0, 0.0))  # the reference on the policy's support
     per_chunk = max(1, hp.forward_batch_size // k)
     chunks = [(slice(p, p + per_chunk), slice(p * k, (p + per_chunk) * k)) for p in range(0, P, per_chunk)]
     first = forward(slice(None), slice(None)) if fused else None  # [B, T] each
@@ -532,10 +519,8 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
                 with ref_context:
                     models.append(hidden(ref_model))
             parts.append(logprobs_on_support(models, responses[r], hp.temperature, support, hp.logits_chunk, valid[r]))
-        if need_old:
-            old_logprobs = torch.cat([p[0] for p in parts])
-        else:  # on-policy
-            old_logprobs = first[0].detach() if fused else torch.zeros(B, T, device=device)
+        old_logprobs = torch.cat([p[0] for p in parts]) if need_old else (  # on-policy: the training pass's own
+            first[0].detach() if fused else torch.zeros(B, T, device=device))  # (or filled micro-batch by micro-batch)
         ref_logprobs = torch.cat([p[-1] for p in parts]) if hp.kl_coef > 0 else None
         def kl_of(logprobs: torch.Tensor, i=slice(None)) -> torch.Tensor:  # [b, T] per-token KL of rows i (0 if no KL)
             return kl_penalty(logprobs, ref_logprobs[i], estimator) if hp.kl_coef > 0 else torch.zeros_like(logprobs)
@@ -543,21 +528,16 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
         # 3. Sequence rewards: score minus kl_coef x the summed KL of the trained tokens (when the KL is in the reward).
         scores = rewards if rewards.dim() == 1 else rewards.sum(1)  # [B]: all of it, padding positions too
         non_score = -hp.kl_coef * (kl_of(old_logprobs) * train).sum(1) if hp.kl_in_reward else torch.zeros_like(scores)
-        sequence_rewards = scores + non_score  # [B]
 
         # 4. Baselines and advantages: leave-one-out or the group mean, optionally over the group's or batch's std.
-        advantages, baselines = group_advantages(sequence_rewards, k, hp.baseline, hp.scale_rewards)
+        advantages, baselines = group_advantages(scores + non_score, k, hp.baseline, hp.scale_rewards)
         n = global_sum(torch.tensor(float(B), device=device))
         advantage_std = torch.sqrt(global_sum((advantages ** 2).sum()) / n)  # the advantages have mean 0 per prompt
         equal_groups = (scores.view(P, k) == scores.view(P, k)[:, :1]).all(1).float().mean()  # no task signal
 
     # 5. Clipped policy-gradient epochs over shuffled mini-batches of prompts; token losses aggregated by hp.loss_type.
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    stats = {key: [] for key in ("policy/approxkl_avg", "policy/clipfrac_avg", "policy/clipfrac_low_avg",
-                                 "policy/clipfrac_high_avg", "policy/entropy_avg", "loss/policy_avg", "loss/kl_avg",
-                                 "val/ratio", "policy/loss_token_frac",
-                                 *["policy/vespo_phi_avg"] * (hp.loss_type == "vespo"))}  # one value per micro-batch
-    mini, skipped = P // hp.num_mini_batches, 0
+    mini, skipped, stats, row = P // hp.num_mini_batches, 0, [], {}  # stats: each finite micro-batch's metrics (row)
     for _ in range(hp.num_ppo_epochs):
         for mb in torch.randperm(P, device=device).split(mini):  # shuffled mini-batches of prompts
             n_loss = global_sum(in_loss.view(P, k, T)[mb].sum().float()).clamp(min=1) / world_size()
@@ -568,63 +548,47 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
                 if not need_old and not fused:
                     old_logprobs[i] = new_logprobs.detach()
                 adv, sampled = advantages[i, None], old_logprobs[i] if sampler_logprobs is None else sampler_logprobs[i]
-                weight = None  # [b, T] the sampler correction, truncated at the cap
-                if hp.sampler_correction_cap is not None and sampler_logprobs is not None:
-                    weight = (old_logprobs[i] - sampled).exp().clamp(max=hp.sampler_correction_cap)
+                cap = hp.sampler_correction_cap  # the sampler correction, truncated (without sampler_logprobs: 1)
+                weight = None if cap is None else (old_logprobs[i] - sampled).exp().clamp(max=cap)  # [b, T]
                 pg_losses, log_ratio, extra = policy_losses(new_logprobs, old_logprobs[i], adv, in_loss[i], hp, weight)
-                ratio = log_ratio.exp()
                 keep = loss_token_mask(new_logprobs, entropy, adv, in_loss[i], sampled, hp)  # [b, T]
                 kl_losses = kl_of(new_logprobs, i)  # [b, T]
                 token_losses = pg_losses * keep if hp.kl_in_reward else pg_losses * keep + hp.kl_coef * kl_losses
                 loss = aggregate_loss(token_losses, in_loss[i], hp.loss_type, n_loss, hp.gradient_accumulation_steps,
                                       hp.max_completion_length or T)
                 loss.backward()  # even when not finite: every process runs the same collectives
-                if not torch.isfinite(loss):
+                with torch.no_grad():  # masked means over the trained tokens, then policy_losses' (the clip's, phi)
+                    row = {key: masked_mean(x, in_loss[i]) for key, x in (
+                        ("loss/policy_avg", pg_losses), ("loss/kl_avg", kl_losses), ("val/ratio", log_ratio.exp()),
+                        ("policy/approxkl_avg", 0.5 * log_ratio ** 2), ("policy/entropy_avg", entropy),
+                        ("policy/loss_token_frac", keep.float()))} | {key: value.mean() for key, value in extra.items()}
+                if torch.isfinite(loss):
+                    stats.append(row)
+                else:
                     bad += 1
-                    continue
-                with torch.no_grad():
-                    t = in_loss[i]
-                    low_out = ratio < 1 - hp.cliprange
-                    high_out = ratio > (hp.epsilon_high if hp.loss_type == "cispo" else 1 + high)  # cispo: its cap
-                    stats["loss/policy_avg"].append(masked_mean(pg_losses, t))
-                    stats["loss/kl_avg"].append(masked_mean(kl_losses, t))
-                    stats["policy/approxkl_avg"].append(0.5 * masked_mean(log_ratio ** 2, t))
-                    stats["policy/clipfrac_avg"].append(masked_mean((low_out | high_out).float(), t))
-                    stats["policy/clipfrac_low_avg"].append(masked_mean((low_out & (adv < 0)).float(), t))
-                    stats["policy/clipfrac_high_avg"].append(masked_mean((high_out & (adv > 0)).float(), t))
-                    stats["policy/entropy_avg"].append(masked_mean(entropy, t))
-                    stats["val/ratio"].append(masked_mean(ratio, t))
-                    stats["policy/loss_token_frac"].append(masked_mean(keep.float(), t))
-                    for key, value in extra.items():
-                        stats[key].append(value.mean())
             if not step_or_skip(optimizer, params, global_sum(bad) > 0, hp.max_grad_norm, hp.skip_nonfinite):
                 skipped += 1
 
-    # 6. Metrics (means over this process's batch; the caller averages them over processes).
+    # 6. Metrics: means over this process's batch (`row`'s over its finite micro-batches); the caller's over processes.
     return {
-        "objective/kl": (kl_of(old_logprobs) * train).sum(1).mean().item(),
-        "objective/entropy": (-old_logprobs * train).sum(1).mean().item(),
-        "objective/non_score_reward": non_score.mean().item(), "objective/rlhf_reward": sequence_rewards.mean().item(),
-        "objective/scores": scores.mean().item(),
-        **{key: torch.stack(values).mean().item() if values else float("nan") for key, values in stats.items()},
-        "val/ratio_var": torch.stack(stats["val/ratio"]).var().item() if len(stats["val/ratio"]) > 1 else 0.0,
+        "objective/kl": (kl_of(old_logprobs) * train).sum(1).mean().item(), "objective/scores": scores.mean().item(),
+        "objective/entropy": (-old_logprobs * train).sum(1).mean().item(), "loss/nonfinite_skipped": float(skipped),
+        "objective/non_score_reward": non_score.mean().item(), "rloo/frac_equal_groups": equal_groups.item(),
+        "objective/rlhf_reward": (scores + non_score).mean().item(), "rloo/advantage_std": advantage_std.item(),
+        **{key: torch.stack([s[key] for s in stats]).mean().item() if stats else float("nan") for key in row},
+        "val/ratio_var": torch.stack([s["val/ratio"] for s in stats]).var().item() if len(stats) > 1 else 0.0,
         "val/num_eos_tokens": eos.sum().item(), "val/response_length": valid.sum(1).float().mean().item(),
-        "val/truncated_frac": (~ended).float().mean().item(),
-        "rloo/baseline_avg": baselines.mean().item(), "rloo/advantage_std": advantage_std.item(),
-        "rloo/frac_equal_groups": equal_groups.item(), "loss/nonfinite_skipped": float(skipped),
+        "val/truncated_frac": (~ended).float().mean().item(), "rloo/baseline_avg": baselines.mean().item(),
         **({} if sampler_logprobs is None else sampler_metrics(old_logprobs, sampler_logprobs, train)),
     }
 
 
 def stack_groups(groups: list[dict], pad_token_id: int) -> dict:
     """One batch from groups of k rows ({key: [k] or [k, L]}); [k, L] padded as the rollout pads: queries left."""
-    batch = {}
-    for key, first in groups[0].items():
-        rows = [row for group in groups for row in group[key]]
-        side, fill = ("left" if key == "queries" else "right"), (pad_token_id if key in ("queries", "responses") else 0)
-        batch[key] = torch.stack(rows) if first.dim() == 1 else torch.nn.utils.rnn.pad_sequence(
-            rows, batch_first=True, padding_value=fill, padding_side=side)
-    return batch
+    rows = {key: [row for group in groups for row in group[key]] for key in groups[0]}  # each key's rows, in order
+    return {key: torch.stack(r) if r[0].dim() == 0 else torch.nn.utils.rnn.pad_sequence(
+        r, batch_first=True, padding_value=pad_token_id if key in ("queries", "responses") else 0,
+        padding_side="left" if key == "queries" else "right") for key, r in rows.items()}
 
 
 # The loop. It calls the machinery below the marker: Python looks a name up when the call runs, so that is fine.
@@ -648,8 +612,7 @@ def main(args: Args) -> None:
     if not 0 <= hp.top_entropy_quantile <= 1:
         fail("--top-entropy-quantile", hp.top_entropy_quantile, "is a share of the tokens: from 0 to 1 (1: all)")
     per_response = hp.importance_sampling_level != "token"  # TRL's warnings
-    if rank == 0 and (per_response and hp.loss_type not in ("grpo", "sapo", "luspo") or hp.loss_type == "luspo" and
-                      not per_response):
+    if rank == 0 and per_response != (hp.loss_type == "luspo") and hp.loss_type not in ("grpo", "sapo"):
         print(f"note: --loss-type {hp.loss_type} with --importance-sampling-level {hp.importance_sampling_level}: " + (
             "each response's one loss weighed by its length (GSPO: grpo; VESPO: token)" if per_response else "LUSPO "
             "takes a ratio per response (--importance-sampling-level sequence)"))
@@ -704,8 +667,7 @@ def main(args: Args) -> None:
                 group = {key: v[i:i + hp.rloo_k] for key, v in out.items() if torch.is_tensor(v)}
                 signal = not args.dynamic_sampling or bool((group["rewards"] != group["rewards"][0]).any())
                 (kept if signal else aside).append(group)
-        if rounds > 1 or aside:  # one batch from several rounds; set-aside groups fill it where they ran out
-            out = stack_groups((kept + aside)[:local_prompts], tokenizer.pad_token_id)
+        out = stack_groups((kept + aside)[:local_prompts], tokenizer.pad_token_id)  # set-aside groups fill the rest
         check_scores_vary(out["rewards"].to(device), spreads, args.model == "builtin", rank)  # said once if never
         # 9. Update: one rloo_step on the batch.
         try:
