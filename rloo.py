@@ -219,15 +219,18 @@ class RLOOHParams:
     """clip the ratio to [1 - cliprange, 1 + epsilon_high] (DAPO's clip-higher; None: cliprange); cispo: its cap"""
     delta: float | None = None
     """cap the unclipped ratio at delta too: above 1 + epsilon_high, the ratio of negative advantages (INTELLECT-2)"""
-    # sapo: the gate's temperature for tokens of positive advantage (_pos) and for the others (_neg)
     sapo_temperature_pos: float = 1.0
+    """sapo: the gate's temperature for tokens of positive advantage"""
     sapo_temperature_neg: float = 1.05
-    # vespo: the weight w^k exp(lambda (1 - w)) of the response's ratio w: k its power (how fast w < 1 is weighted
-    # down), lambda its decay (how fast w > 1 is), for positive advantages (_pos) and for the others (_neg)
+    """sapo: the gate's temperature for the others"""
     vespo_k_pos: float = 2.0
+    """vespo: k of the weight w^k exp(lambda (1 - w)) of a response's ratio w, A > 0 (how fast w < 1 is weighed down)"""
     vespo_lambda_pos: float = 3.0
+    """vespo: lambda of that weight, A > 0 (how fast w > 1 is weighed down)"""
     vespo_k_neg: float = 3.0
+    """vespo: k for the other advantages"""
     vespo_lambda_neg: float = 2.0
+    """vespo: lambda for the other advantages"""
     top_entropy_quantile: float = 1.0
     """policy loss only on the tokens of the highest entropy, this share of each micro-batch's (the 80/20 rule: 0.2)"""
     off_policy_mask_threshold: float | None = None

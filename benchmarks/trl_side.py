@@ -22,7 +22,8 @@ held-out sums) before training and every EVAL_EVERY steps, writing OUT/metrics.j
     benchmarks/.trl116-venv/bin/python benchmarks/trl_side.py grpo-gym EPISODES MODEL_FOLDER TASK_FOLDER OUT N_EVERY N
 
 grpo-gym is the same for docs/custom.md's reasoning-gym run: a folder written by examples/reasoning_gym.py, its reward
-`score`, up to 256 new tokens, N held-out rows evaluated every N_EVERY steps.
+`score`, up to 256 new tokens, N held-out rows evaluated every N_EVERY steps, a step's 32 completions in micro-batches
+of 8 (at 32, TRL's logits over 49,152 tokens went past this machine's 24 GiB and the process was killed).
 
     benchmarks/.trl116-venv/bin/python benchmarks/trl_side.py grpo-lengths EPISODES MODEL_FOLDER TASK_FOLDER OUT N
     benchmarks/.trl-venv/bin/python benchmarks/trl_side.py ppo-lengths EPISODES MODEL_FOLDER TASK_FOLDER OUT N
@@ -131,14 +132,16 @@ def learn(episodes: int, folder: Path, seed: int) -> None:
     print(json.dumps({"accuracy": sum(s == 1.0 for s in scores) / len(rows), "seconds": seconds}))
 
 
-def grpo_config(out: Path, episodes: int, completion_tokens: int):
-    """GRPOConfig with rloo.py grpo's settings (grpo_real's docstring lists them) for `episodes` completions."""
+def grpo_config(out: Path, episodes: int, completion_tokens: int, micro: int = 32):
+    """GRPOConfig with rloo.py grpo's settings (grpo_real's docstring lists them) for `episodes` completions, 32 a step
+    in micro-batches of `micro` (gradients accumulated: the same update, in less memory)."""
     from trl import GRPOConfig
 
     return GRPOConfig(output_dir=str(out / "trl"), report_to=[], logging_steps=10**6, save_strategy="no", use_cpu=True,
                       seed=1, dataloader_num_workers=0, disable_tqdm=True, bf16=False, gradient_checkpointing=False,
-                      per_device_train_batch_size=32, num_generations=4, max_completion_length=completion_tokens,
-                      temperature=1.0, top_p=1.0, learning_rate=2e-5, lr_scheduler_type="linear", adam_epsilon=1e-5,
+                      per_device_train_batch_size=micro, gradient_accumulation_steps=32 // micro, num_generations=4,
+                      max_completion_length=completion_tokens, temperature=1.0, top_p=1.0, learning_rate=2e-5,
+                      lr_scheduler_type="linear", adam_epsilon=1e-5,
                       weight_decay=0.0, max_grad_norm=1.0, beta=0.04, use_bias_correction_kl=False, loss_type="grpo",
                       scale_rewards="group", num_iterations=1, max_steps=episodes // 32)
 
@@ -193,7 +196,7 @@ def grpo_real(episodes: int, model: Path, data: Path, out: Path, eval_every: int
             log.flush()
 
     ds = Dataset.from_json(str(data / "train.jsonl"))
-    config = grpo_config(out, episodes, completion_tokens)
+    config = grpo_config(out, episodes, completion_tokens, 32 if completion_tokens <= 16 else 8)
     trainer = GRPOTrainer(model=str(model), reward_funcs=reward, args=config, train_dataset=ds,
                           processing_class=tokenizer, callbacks=[Evaluate()])
     ref = trainer.ref_model.dtype if trainer.ref_model is not None else None
