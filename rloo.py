@@ -551,8 +551,8 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
                 if not need_old and not fused:
                     old_logprobs[i] = new_logprobs.detach()
                 adv, sampled = advantages[i, None], old_logprobs[i] if sampler_logprobs is None else sampler_logprobs[i]
-                cap = hp.sampler_correction_cap  # the sampler correction, truncated (without sampler_logprobs: 1)
-                weight = None if cap is None else (old_logprobs[i] - sampled).exp().clamp(max=cap)  # [b, T]
+                cap = None if sampler_logprobs is None else hp.sampler_correction_cap  # the sampler correction
+                weight = None if cap is None else (old_logprobs[i] - sampled).exp().clamp(max=cap)  # [b, T], truncated
                 pg_losses, log_ratio, extra = policy_losses(new_logprobs, old_logprobs[i], adv, in_loss[i], hp, weight)
                 keep = loss_token_mask(new_logprobs, entropy, adv, in_loss[i], sampled, hp)  # [b, T]
                 kl_losses = kl_of(new_logprobs, i)  # [b, T]
