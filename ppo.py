@@ -36,7 +36,6 @@ import shlex
 import shutil
 import sys
 import time
-import weakref
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -62,8 +61,11 @@ from transformers import (
     CompileConfig,
     GenerationConfig,
     LlamaConfig,
+    MinPLogitsWarper,
     PreTrainedTokenizerFast,
     StoppingCriteriaList,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
 )
 from transformers.cache_utils import DynamicCache, StaticCache, StaticLayer
 from transformers.trainer_pt_utils import get_parameter_names
@@ -245,8 +247,7 @@ class PPOHParams:
 RECIPES: dict[str, tuple] = {}  # named configurations (rloo.py has the GRPO family); none for PPO
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# The algorithm: PPO's math on tensors (small pure functions), then one update, ppo_step
+# ---- The algorithm: PPO's math on tensors (small pure functions), then one update, ppo_step --------------------------
 
 
 def response_valid_mask(responses: torch.Tensor, pad_token_id: int, eos_token_id: int | None = None,
@@ -433,9 +434,7 @@ def ppo_step(policy, value_model, ref_policy, optimizer, queries: torch.Tensor, 
 
     # 5. PPO epochs over shuffled mini-batches; token sums / the mini-batch's tokens on all processes (one gradient).
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    stats = {key: [] for key in ("policy/approxkl_avg", "policy/clipfrac_avg", "policy/entropy_avg", "loss/policy_avg",
-                                 "loss/value_avg", "val/clipfrac_avg", "val/ratio")}  # one value per micro-batch
-    mini, skipped = B // hp.num_mini_batches, 0
+    mini, skipped, stats, row = B // hp.num_mini_batches, 0, [], {}  # stats: each finite micro-batch's metrics (row)
     for epoch in range(hp.num_ppo_epochs):
         for mb in torch.randperm(B, device=device).split(mini):  # shuffled mini-batches
             n_train = global_sum(train[mb].sum().float()).clamp(min=1) / world_size()
@@ -458,18 +457,17 @@ def ppo_step(policy, value_model, ref_policy, optimizer, queries: torch.Tensor, 
                 if hp.ent_coef > 0:
                     loss = loss - hp.ent_coef * (entropy * train[i]).sum() / n_train
                 loss.backward()  # even when not finite: every process runs the same collectives
-                if not torch.isfinite(loss):
-                    bad += 1
-                    continue
-                with torch.no_grad():
+                with torch.no_grad():  # masked means over the trained tokens (the value's: over the response)
                     t, v = train[i], valid[i]
-                    stats["loss/policy_avg"].append(masked_mean(pg_losses, t))
-                    stats["loss/value_avg"].append(0.5 * masked_mean(vf_losses, v))
-                    stats["policy/approxkl_avg"].append(0.5 * masked_mean(log_ratio ** 2, t))
-                    stats["policy/clipfrac_avg"].append(masked_mean(((ratio - 1).abs() > hp.cliprange).float(), t))
-                    stats["val/clipfrac_avg"].append(masked_mean((vf_clipped > vf_unclipped).float(), v))
-                    stats["policy/entropy_avg"].append(masked_mean(entropy, t))
-                    stats["val/ratio"].append(masked_mean(ratio, t))
+                    row = {"loss/policy_avg": masked_mean(pg_losses, t), "policy/entropy_avg": masked_mean(entropy, t),
+                           "loss/value_avg": 0.5 * masked_mean(vf_losses, v), "val/ratio": masked_mean(ratio, t),
+                           "policy/approxkl_avg": 0.5 * masked_mean(log_ratio ** 2, t),
+                           "policy/clipfrac_avg": masked_mean(((ratio - 1).abs() > hp.cliprange).float(), t),
+                           "val/clipfrac_avg": masked_mean((vf_clipped > vf_unclipped).float(), v)}
+                if torch.isfinite(loss):
+                    stats.append(row)
+                else:
+                    bad += 1
             if not step_or_skip(optimizer, params, global_sum(bad) > 0, hp.max_grad_norm, hp.skip_nonfinite):
                 skipped += 1
 
@@ -479,8 +477,8 @@ def ppo_step(policy, value_model, ref_policy, optimizer, queries: torch.Tensor, 
         "objective/kl": kl.sum(1).mean().item(), "objective/entropy": (-old_logprobs * train).sum(1).mean().item(),
         "objective/non_score_reward": non_score.sum(1).mean().item(),
         "objective/rlhf_reward": (scores + non_score.sum(1)).mean().item(), "objective/scores": scores.mean().item(),
-        **{key: torch.stack(values).mean().item() if values else float("nan") for key, values in stats.items()},
-        "val/ratio_var": torch.stack(stats["val/ratio"]).var().item() if len(stats["val/ratio"]) > 1 else 0.0,
+        **{key: torch.stack([s[key] for s in stats]).mean().item() if stats else float("nan") for key in row},
+        "val/ratio_var": torch.stack([s["val/ratio"] for s in stats]).var().item() if len(stats) > 1 else 0.0,
         "val/num_eos_tokens": eos.sum().item(), "val/response_length": valid.sum(1).float().mean().item(),
         "loss/nonfinite_skipped": float(skipped),
         **({} if sampler_logprobs is None else sampler_metrics(old_logprobs, sampler_logprobs, train)),
@@ -581,8 +579,7 @@ def main(args: Args) -> None:
 # Machinery below: loading and checking inputs, the task, generation, processes, checkpoints, logs; no algorithm.
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# The built-in task: a character tokenizer, a tiny model, and single-digit addition with partial credit
+# ---- The built-in task: a character tokenizer, a tiny model, and single-digit addition with partial credit -----------
 
 
 BUILTIN_CHARS = "0123456789+-*=\n "
@@ -627,8 +624,7 @@ def addition_reward(prompts, completions, completion_ids, answer, tokenizer, **k
             for text, ids, ans in zip(completions, completion_ids, answer)]
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Loading and checking what the user gives: callables, models, prompts, rewards
+# ---- Loading and checking what the user gives: callables, models, prompts, rewards -----------------------------------
 
 
 def fail(flag: str, value: Any, fix: str) -> NoReturn:
@@ -879,8 +875,7 @@ def draw_rows(task: Task, state: dict, n: int, seed: int) -> list[dict]:
     return rows
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Generation and scoring: the decode loop around the model's own forward, reward calls, the rollout
+# ---- Generation and scoring: the decode loop around the model's own forward, reward calls, the rollout ---------------
 
 
 def left_pad(seqs: list[list[int]], pad_token_id: int) -> torch.Tensor:
@@ -894,9 +889,6 @@ def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.cumsum(1) - 1).clamp(min=0)
 
 
-CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {"head" or "packs": passed everywhere}
-
-
 def packed_inputs(model, queries: torch.Tensor, query_mask: torch.Tensor, responses: torch.Tensor,
                   valid: torch.Tensor) -> tuple:
     """The forward's inputs for P prompts (queries, query_mask [P, Lq], left-padded) and their k = B / P responses each
@@ -905,7 +897,7 @@ def packed_inputs(model, queries: torch.Tensor, query_mask: torch.Tensor, respon
     own forward where scored (checked once per model, one answer for all processes), else padded rows, prompts k
     times."""
     (P, Lq), (B, T), device = queries.shape, responses.shape, queries.device
-    checked = CHECKED.setdefault(model, {})
+    checked = model.__dict__.setdefault("checks", {})  # "packs", "head": each check passed on every process
     if "packs" not in checked:
         seq = torch.cat([queries[query_mask.bool()], responses[valid]]).repeat(16)[None, :16]  # [1, 16]
         V, hidden = model.get_input_embeddings().num_embeddings, []
@@ -1004,7 +996,7 @@ def forward_to_head(model, index: torch.Tensor, chunk: int, **inputs) -> tuple:
     """(h, head) at the flat output positions `index` [*] of the model's forward, head(h) their logits, a forward hook
     narrowing the decoder's output to them (no logits elsewhere). chunk > 0: h [*, H] that output, head the output
     layer; chunk 0, or logits not that layer on it (a soft-cap; checked once, said once): h [*, V] logits, Identity."""
-    head, checked, hidden = model.get_output_embeddings(), CHECKED.setdefault(model, {}), []
+    head, checked, hidden = model.get_output_embeddings(), model.__dict__.setdefault("checks", {}), []
     plain = chunk > 0 and head is not None and checked.get("head", True)
 
     def narrow(module, args, output):  # the decoder's output [R, W, H] -> [1, N, H], as the model's head will see it
@@ -1073,20 +1065,15 @@ def generation_configs(gen: GenArgs, tokenizer, temperature: float, top_k: int =
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float,
                   keep: torch.Tensor | None = None) -> torch.Tensor:
-    """logits [..., V] with -inf outside what top-k, then top-p, then min-p keep, as `generate`; keep [...] stays in."""
+    """logits [..., V] with -inf outside what transformers' top-k, then top-p, then min-p warpers keep (`generate`'s
+    order); keep [...] stays in."""
     if not (top_k or top_p < 1.0 or min_p):
         return logits
-    drop = torch.zeros_like(logits, dtype=torch.bool)
-    if top_k:
-        drop |= logits < logits.topk(min(top_k, logits.shape[-1])).values[..., -1:]
-    if top_p < 1.0:
-        ascending, order = logits.masked_fill(drop, -float("inf")).sort(-1)  # drop the low tail of 1 - top_p mass
-        tail = ascending.softmax(-1).cumsum(-1) <= 1 - top_p
-        tail[..., -1] = False
-        drop |= tail.scatter(-1, order, tail)
-    if min_p:
-        probs = logits.masked_fill(drop, -float("inf")).softmax(-1)
-        drop |= probs < min_p * probs.max(-1, keepdim=True).values
+    kept = logits.reshape(-1, logits.shape[-1])  # [N, V]: the warpers take rows
+    for warper, value, off in ((TopKLogitsWarper, top_k, 0), (TopPLogitsWarper, top_p, 1.0),
+                               (MinPLogitsWarper, min_p, 0.0)):
+        kept = kept if value == off else warper(value)(None, kept)
+    drop = kept.isneginf().view(logits.shape)
     if keep is not None:
         drop.scatter_(-1, keep.unsqueeze(-1), False)
     return logits.masked_fill(drop, -float("inf"))
@@ -1241,8 +1228,8 @@ def cut_responses(tokenizer, responses: torch.Tensor, stop_strings: list[str]) -
     rows, lengths, ended = responses.tolist(), [], []
     holds_stop = lambda ids: any(s in tokenizer.decode(ids) for s in stop_strings)
     for row in rows:
-        n = row.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in row else len(row)
         done = tokenizer.eos_token_id in row
+        n = row.index(tokenizer.eos_token_id) + 1 if done else len(row)
         if stop_strings and holds_stop(row[:n]):
             n, done = bisect.bisect_left(range(n + 1), True, lo=1, key=lambda k: holds_stop(row[:k])), True
         row[n:] = [tokenizer.pad_token_id] * (len(row) - n)
@@ -1395,8 +1382,7 @@ def evaluate(policy, tokenizer, task: Task, sample: GenerationConfig, greedy: Ge
     return {name: value / total[0] for name, value in zip(names, total[1:], strict=True)}, samples
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Processes: autocast, data parallelism and FSDP2, dropout
+# ---- Processes: autocast, data parallelism and FSDP2, dropout --------------------------------------------------------
 
 
 def autocast(dtype: str, device: torch.device) -> torch.autocast:
@@ -1549,8 +1535,7 @@ def average_metrics(metrics: dict, device: torch.device, counts: tuple[str, ...]
     return {k: e if k.endswith(("/min", "/max")) else v if k in counts else v / world_size() for k, v, e in rows}
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Run records and checkpoints
+# ---- Run records and checkpoints -------------------------------------------------------------------------------------
 
 
 def open_run(args, output_dir: Path, start: int, run_name: str) -> tuple[Path, Any]:

@@ -36,7 +36,6 @@ import shlex
 import shutil
 import sys
 import time
-import weakref
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -62,8 +61,11 @@ from transformers import (
     CompileConfig,
     GenerationConfig,
     LlamaConfig,
+    MinPLogitsWarper,
     PreTrainedTokenizerFast,
     StoppingCriteriaList,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
 )
 from transformers.cache_utils import DynamicCache, StaticCache, StaticLayer
 from transformers.trainer_pt_utils import get_parameter_names
@@ -295,8 +297,7 @@ RECIPES = {  # name: (what it is, its flags)
 }
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# The algorithm: RLOO's math on tensors (small pure functions), then one update, rloo_step
+# ---- The algorithm: RLOO's math on tensors (small pure functions), then one update, rloo_step ------------------------
 
 
 def response_valid_mask(responses: torch.Tensor, pad_token_id: int, eos_token_id: int | None = None,
@@ -480,8 +481,7 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
     if k < 2 or B % k or B // k % splits:
         raise ValueError(f"{B} responses do not make whole groups of rloo_k = {k} >= 2 whose prompts split into "
                          f"{hp.num_mini_batches} mini-batches of {hp.gradient_accumulation_steps} micro-batches")
-    P, micro = B // k, B // k // splits
-    estimator = kl_estimator_for(hp)
+    P, micro, estimator = B // k, B // k // splits, kl_estimator_for(hp)
     refuse_dropout(policy=policy, ref_policy=ref_policy)
     device = next(policy.parameters()).device
     queries, responses, rewards = queries.to(device), responses.to(device), rewards.to(device).float()
@@ -707,8 +707,7 @@ def main(args: Args) -> None:
 # Machinery below: loading and checking inputs, the task, generation, processes, checkpoints, logs; no algorithm.
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# The built-in task: a character tokenizer, a tiny model, and single-digit addition with partial credit
+# ---- The built-in task: a character tokenizer, a tiny model, and single-digit addition with partial credit -----------
 
 
 BUILTIN_CHARS = "0123456789+-*=\n "
@@ -753,8 +752,7 @@ def addition_reward(prompts, completions, completion_ids, answer, tokenizer, **k
             for text, ids, ans in zip(completions, completion_ids, answer)]
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Loading and checking what the user gives: callables, models, prompts, rewards
+# ---- Loading and checking what the user gives: callables, models, prompts, rewards -----------------------------------
 
 
 def fail(flag: str, value: Any, fix: str) -> NoReturn:
@@ -1005,8 +1003,7 @@ def draw_rows(task: Task, state: dict, n: int, seed: int) -> list[dict]:
     return rows
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Generation and scoring: the decode loop around the model's own forward, reward calls, the rollout
+# ---- Generation and scoring: the decode loop around the model's own forward, reward calls, the rollout ---------------
 
 
 def left_pad(seqs: list[list[int]], pad_token_id: int) -> torch.Tensor:
@@ -1020,9 +1017,6 @@ def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.cumsum(1) - 1).clamp(min=0)
 
 
-CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {"head" or "packs": passed everywhere}
-
-
 def packed_inputs(model, queries: torch.Tensor, query_mask: torch.Tensor, responses: torch.Tensor,
                   valid: torch.Tensor) -> tuple:
     """The forward's inputs for P prompts (queries, query_mask [P, Lq], left-padded) and their k = B / P responses each
@@ -1031,7 +1025,7 @@ def packed_inputs(model, queries: torch.Tensor, query_mask: torch.Tensor, respon
     own forward where scored (checked once per model, one answer for all processes), else padded rows, prompts k
     times."""
     (P, Lq), (B, T), device = queries.shape, responses.shape, queries.device
-    checked = CHECKED.setdefault(model, {})
+    checked = model.__dict__.setdefault("checks", {})  # "packs", "head": each check passed on every process
     if "packs" not in checked:
         seq = torch.cat([queries[query_mask.bool()], responses[valid]]).repeat(16)[None, :16]  # [1, 16]
         V, hidden = model.get_input_embeddings().num_embeddings, []
@@ -1130,7 +1124,7 @@ def forward_to_head(model, index: torch.Tensor, chunk: int, **inputs) -> tuple:
     """(h, head) at the flat output positions `index` [*] of the model's forward, head(h) their logits, a forward hook
     narrowing the decoder's output to them (no logits elsewhere). chunk > 0: h [*, H] that output, head the output
     layer; chunk 0, or logits not that layer on it (a soft-cap; checked once, said once): h [*, V] logits, Identity."""
-    head, checked, hidden = model.get_output_embeddings(), CHECKED.setdefault(model, {}), []
+    head, checked, hidden = model.get_output_embeddings(), model.__dict__.setdefault("checks", {}), []
     plain = chunk > 0 and head is not None and checked.get("head", True)
 
     def narrow(module, args, output):  # the decoder's output [R, W, H] -> [1, N, H], as the model's head will see it
@@ -1199,20 +1193,15 @@ def generation_configs(gen: GenArgs, tokenizer, temperature: float, top_k: int =
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float,
                   keep: torch.Tensor | None = None) -> torch.Tensor:
-    """logits [..., V] with -inf outside what top-k, then top-p, then min-p keep, as `generate`; keep [...] stays in."""
+    """logits [..., V] with -inf outside what transformers' top-k, then top-p, then min-p warpers keep (`generate`'s
+    order); keep [...] stays in."""
     if not (top_k or top_p < 1.0 or min_p):
         return logits
-    drop = torch.zeros_like(logits, dtype=torch.bool)
-    if top_k:
-        drop |= logits < logits.topk(min(top_k, logits.shape[-1])).values[..., -1:]
-    if top_p < 1.0:
-        ascending, order = logits.masked_fill(drop, -float("inf")).sort(-1)  # drop the low tail of 1 - top_p mass
-        tail = ascending.softmax(-1).cumsum(-1) <= 1 - top_p
-        tail[..., -1] = False
-        drop |= tail.scatter(-1, order, tail)
-    if min_p:
-        probs = logits.masked_fill(drop, -float("inf")).softmax(-1)
-        drop |= probs < min_p * probs.max(-1, keepdim=True).values
+    kept = logits.reshape(-1, logits.shape[-1])  # [N, V]: the warpers take rows
+    for warper, value, off in ((TopKLogitsWarper, top_k, 0), (TopPLogitsWarper, top_p, 1.0),
+                               (MinPLogitsWarper, min_p, 0.0)):
+        kept = kept if value == off else warper(value)(None, kept)
+    drop = kept.isneginf().view(logits.shape)
     if keep is not None:
         drop.scatter_(-1, keep.unsqueeze(-1), False)
     return logits.masked_fill(drop, -float("inf"))
@@ -1367,8 +1356,8 @@ def cut_responses(tokenizer, responses: torch.Tensor, stop_strings: list[str]) -
     rows, lengths, ended = responses.tolist(), [], []
     holds_stop = lambda ids: any(s in tokenizer.decode(ids) for s in stop_strings)
     for row in rows:
-        n = row.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in row else len(row)
         done = tokenizer.eos_token_id in row
+        n = row.index(tokenizer.eos_token_id) + 1 if done else len(row)
         if stop_strings and holds_stop(row[:n]):
             n, done = bisect.bisect_left(range(n + 1), True, lo=1, key=lambda k: holds_stop(row[:k])), True
         row[n:] = [tokenizer.pad_token_id] * (len(row) - n)
@@ -1521,8 +1510,7 @@ def evaluate(policy, tokenizer, task: Task, sample: GenerationConfig, greedy: Ge
     return {name: value / total[0] for name, value in zip(names, total[1:], strict=True)}, samples
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Processes: autocast, data parallelism and FSDP2, dropout
+# ---- Processes: autocast, data parallelism and FSDP2, dropout --------------------------------------------------------
 
 
 def autocast(dtype: str, device: torch.device) -> torch.autocast:
@@ -1675,8 +1663,7 @@ def average_metrics(metrics: dict, device: torch.device, counts: tuple[str, ...]
     return {k: e if k.endswith(("/min", "/max")) else v if k in counts else v / world_size() for k, v, e in rows}
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Run records and checkpoints
+# ---- Run records and checkpoints -------------------------------------------------------------------------------------
 
 
 def open_run(args, output_dir: Path, start: int, run_name: str) -> tuple[Path, Any]:

@@ -274,8 +274,7 @@ def best_of_n(model, tokenizer, candidates: list[list[dict]], step_separator: st
             "eval/random_pick_accuracy": (totals[1] / totals[2]).item()}
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# The loop: the numbered steps below (main calls the machinery under the marker: names resolve at the call).
+# ---- The loop: the numbered steps below (main calls the machinery under the marker: names resolve at the call). ------
 
 
 def main(args: Args) -> None:
@@ -404,8 +403,7 @@ def main(args: Args) -> None:
 # Machinery below: the built-in task, loading and checking data, batching, processes, checkpoints; no algorithm.
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# The built-in task: a character tokenizer, a tiny model, and multi-step running sums with some wrong steps
+# ---- The built-in task: a character tokenizer, a tiny model, and multi-step running sums with some wrong steps -------
 
 
 BUILTIN_CHARS = "0123456789+-*=\n "
@@ -681,8 +679,7 @@ def warm_start(lm, tokenizer, solutions: list[dict], steps: int, lr: float, weig
     return sum(tail) / len(tail)
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Processes: autocast, data parallelism (gradient averaging, the NaN guard), metrics over processes
+# ---- Processes: autocast, data parallelism (gradient averaging, the NaN guard), metrics over processes ---------------
 
 
 def autocast(dtype: str, device: torch.device) -> torch.autocast:
@@ -747,8 +744,7 @@ def average_metrics(metrics: dict, device: torch.device, counts: tuple[str, ...]
     return {k: e if k.endswith(("/min", "/max")) else v if k in counts else v / world_size() for k, v, e in rows}
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Run records and checkpoints
+# ---- Run records and checkpoints -------------------------------------------------------------------------------------
 
 
 def open_run(args, output_dir: Path, start: int, run_name: str) -> tuple[Path, Any]:

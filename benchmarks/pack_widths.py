@@ -58,7 +58,7 @@ def main() -> None:
           f"{n_r.float().mean():.0f}); real tokens, each prompt once: {real}; hidden {model.config.hidden_size}")
     print("| layout | rows x width | positions / real | attention (sum of rows' width^2) | seconds |")
     print("| --- | --- | --- | --- | --- |")
-    ppo.CHECKED.setdefault(model, {})["packs"] = False
+    vars(model).setdefault("checks", {})["packs"] = False
     inputs, index = ppo.packed_inputs(model, queries, query_mask, responses, valid)
     rows = [("padded", inputs, index)]
     repeated = torch.cat([queries.repeat_interleave(k, 0), responses], 1)  # before: each reply after its prompt
@@ -78,7 +78,7 @@ def main() -> None:
         idx[b] = start + (lengths[b] - n_r[b] - 1 + torch.arange(T)).clamp(max=lengths[b] - 1)
     rows.append(("each reply after its own prompt (before)", dict(input_ids=ids.view(-1, W),
                  position_ids=pos.view(-1, W), use_cache=False), idx))
-    ppo.CHECKED[model]["packs"] = True
+    vars(model)["checks"]["packs"] = True
     chosen = ppo.packed_inputs(model, queries, query_mask, responses, valid)
     longest = max((query_mask.sum(1) + n_r.view(P, k).sum(1)).tolist())
     for f in (8, 9, 10, 12, 16, 24):

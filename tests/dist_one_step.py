@@ -66,8 +66,7 @@ def main(algo: str, out: str, fsdp: bool, lora: bool) -> None:
     weights = {f"{i}.{k}": v for i, m in enumerate(models) for k, v in ppo.full_state_dict(m).items()}
     weights["kl"] = ppo.average_metrics({"kl": metrics["objective/kl"]}, device)["kl"]  # the KL to the reference
     weights["loss_token_frac"] = metrics.get("policy/loss_token_frac", 1.0)  # this process's
-    checked = (ppo if algo == "ppo" else rloo).CHECKED  # the per-model checks: "packs" True where the layout packed
-    weights["packed"] = any(checks.get("packs", False) for checks in checked.values())
+    weights["packed"] = any(vars(m).get("checks", {}).get("packs", False) for m in models)  # the layout packed
     if rank == 0:
         torch.save(weights, out)
     if torch.distributed.is_initialized():

@@ -40,7 +40,7 @@ import rloo
 def padded(script, *models):
     """The models' forwards in `script` (the module ppo or rloo) padded, as for a model that fails the packing check:
     their "packs" check set to False for the while."""
-    checks = [script.CHECKED.setdefault(m, {}) for m in dict.fromkeys(models) if m is not None]
+    checks = [vars(m).setdefault("checks", {}) for m in dict.fromkeys(models) if m is not None]
     saved = [checked.get("packs") for checked in checks]
     for checked in checks:
         checked["packs"] = False
@@ -99,7 +99,7 @@ def test_packed_logprobs_equal_the_padded_forward_at_every_width(arch, k):
         chosen = ppo.response_logprobs(model, queries, query_mask, responses, valid, 0.7, (0, 1.0, 0.0), True,
                                        chunk=2 ** 20)
         chosen += (ppo.response_values(value, queries, query_mask, responses, valid),)
-        assert ppo.CHECKED[model]["packs"] and ppo.CHECKED[value]["packs"]
+        assert vars(model)["checks"]["packs"] and vars(value)["checks"]["packs"]
         inputs, _ = ppo.packed_inputs(model, queries, query_mask, responses, valid)
         real = int(query_mask.sum() + valid.sum())  # each group's prompt once
         assert inputs["input_ids"].numel() < 1.5 * real < torch.cat([queries.repeat_interleave(k, 0), responses],
@@ -163,7 +163,7 @@ def test_a_batch_with_no_response_token_gives_zeros():
         logprobs, entropy = ppo.response_logprobs(model, queries, queries != 0, responses, responses != 0, 1.0,
                                                   with_entropy=True, chunk=chunk)
         assert logprobs.shape == entropy.shape == (4, 3) and not logprobs.any() and not entropy.any()
-    assert "head" not in ppo.CHECKED[model]  # nothing to check the output layer on: checked at the next batch
+    assert "head" not in vars(model)["checks"]  # nothing to check the output layer on: checked at the next batch
 
 
 def test_the_layout_holds_each_prompt_once_and_its_responses_see_it_and_themselves_only():
@@ -211,8 +211,8 @@ def test_the_packing_check_packs_only_models_that_keep_segments_apart(arch, dtyp
     logprobs = lambda: ppo.response_logprobs(model, queries, query_mask, responses, valid, 1.0, chunk=0)[0]
     with torch.no_grad():
         packed = logprobs()
-        assert ppo.CHECKED[model]["packs"] is (arch in PACK)
-        ppo.CHECKED[model]["packs"] = True  # what packing would give
+        assert vars(model)["checks"]["packs"] is (arch in PACK)
+        vars(model)["checks"]["packs"] = True  # what packing would give
         try:
             forced = logprobs()
         except Exception:  # the forward takes no 4D mask (or no dict of them)
@@ -253,7 +253,7 @@ def run_step(script: str, settings: dict, lora: bool, checkpointing: bool, pad: 
     module = ppo if script == "ppo" else rloo
     with padded(module, *models) if pad else contextlib.nullcontext():
         metrics = step()
-        assert module.CHECKED[policy]["packs"] is not pad  # packed or not
+        assert vars(policy)["checks"]["packs"] is not pad  # packed or not
     return metrics, [p.detach().clone() for m in models if m is not None for p in m.parameters() if p.requires_grad]
 
 
