@@ -1744,6 +1744,10 @@ def parse_args(cls, recipes: dict, argv: list[str], description: str) -> Any:
         default = config(left[0])
         spots = [i for i, w in enumerate(argv) if w == left[0]]  # the one that no flag takes as its value
         argv = next((argv[:i] + argv[i + 1:] for i in spots if left_over(argv[:i] + argv[i + 1:]) == []), argv)
+    for i, word in enumerate(argv):  # a name that a list flag took as an item (--reward-fn f.py:g grpo): not guessed
+        if word in recipes and left_over(argv[:i] + argv[i + 1:]) == []:
+            fail("the named configuration", word, f"{next(w for w in argv[i::-1] if w.startswith('-'))} took it as "
+                 "one of its items; name the configuration before the flags")
     return tyro.cli(cls, args=argv, default=default, description=description)
 
 

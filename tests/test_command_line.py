@@ -53,6 +53,12 @@ def test_a_configuration_stands_anywhere_and_a_name_that_is_a_flag_value_is_not_
     args = rloo.parse_args(interleave.Args, interleave.RECIPES, ["--schedule", "weighted", "--seed", "3", "weighted"],
                            "")
     assert args.schedule == "weighted" and args.rloo.turn.weight == 2.0 and args.seed == 3
+    for argv in (["--reward-fn", "f.py:g", "grpo"], ["--stop-strings", "x", "grpo", "--seed", "2"]):  # list flags
+        with pytest.raises(SystemExit, match=f"'grpo': {argv[0]} took it as one of its items; name the configuration "
+                                             "before the flags"):
+            rloo.parse_args(rloo.Args, CONFIGS, argv, "")
+    args = rloo.parse_args(rloo.Args, CONFIGS, ["grpo", "--reward-fn", "f.py:g"], "")
+    assert args.exp_name == "grpo" and args.task.reward_fn == ["f.py:g"]
 
 
 REWARDS = """
