@@ -175,6 +175,20 @@ def test_links_resolve():
                 assert 1 <= n <= len(file.read_text().splitlines()), f"{page.name}: {target} is past the file's end"
 
 
+def test_a_link_to_a_script_line_says_that_line_and_holds_what_it_names():
+    """[`name`, ppo.py#L120](../ppo.py#L120): the label's line is the target's, and `name` stands on it."""
+    link = r"\[([^\]]*?)(\w+\.py)(#L[\d-]+L?\d*)?([^\]]*)\]\((?:\.\./)?(\w+\.py)#L(\d+)(-L\d+)?\)"
+    for page in [*PAGES, ROOT / "benchmarks" / "README.md"]:
+        for m in re.finditer(link, page.read_text()):
+            before, script, label, _, target, line, end = m.groups()
+            if label:
+                assert (script, label) == (target, f"#L{line}{end or ''}"), f"{page.name}: {m.group(0)}"
+            name = re.search(r"`(\w+)`", before)
+            if name:
+                text = (ROOT / target).read_text().splitlines()[int(line) - 1]
+                assert name.group(1) in text, f"{page.name}: {m.group(0)} is on {text.strip()!r}"
+
+
 def test_benchmarks_index_names_every_script_once_and_its_commands_run():
     """benchmarks/README.md: one row per script (at most 8) or helper, each file of the folder once, and every flag of
     a script's command one its --help lists."""
