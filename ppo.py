@@ -1070,9 +1070,9 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float,
     if not (top_k or top_p < 1.0 or min_p):
         return logits
     kept = logits.reshape(-1, logits.shape[-1])  # [N, V]: the warpers take rows
-    for warper, value, off in ((TopKLogitsWarper, top_k, 0), (TopPLogitsWarper, top_p, 1.0),
-                               (MinPLogitsWarper, min_p, 0.0)):
-        kept = kept if value == off else warper(value)(None, kept)
+    for warper, value, on in ((TopKLogitsWarper, top_k, top_k > 0), (TopPLogitsWarper, top_p, top_p < 1.0),
+                              (MinPLogitsWarper, min_p, min_p > 0)):  # each off where `generate` leaves it out
+        kept = warper(value)(None, kept) if on else kept
     drop = kept.isneginf().view(logits.shape)
     if keep is not None:
         drop.scatter_(-1, keep.unsqueeze(-1), False)
@@ -1733,7 +1733,7 @@ def parse_args(cls, recipes: dict, argv: list[str], description: str) -> Any:
         except SystemExit:
             return None
 
-    left = left_over(argv) or []
+    left = left_over(argv)
     if recipes and left and not any(w.startswith("-") for w in left):  # (a misspelt flag: tyro's own message)
         if len(left) > 1 or left[0] not in recipes:
             word = next((w for w in left if w not in recipes), left[-1])
@@ -1744,8 +1744,8 @@ def parse_args(cls, recipes: dict, argv: list[str], description: str) -> Any:
         default = config(left[0])
         spots = [i for i, w in enumerate(argv) if w == left[0]]  # the one that no flag takes as its value
         argv = next((argv[:i] + argv[i + 1:] for i in spots if left_over(argv[:i] + argv[i + 1:]) == []), argv)
-    for i, word in enumerate(argv):  # a name that a list flag took as an item (--reward-fn f.py:g grpo): not guessed
-        if word in recipes and left_over(argv[:i] + argv[i + 1:]) == []:
+    for i, word in enumerate(argv if left == [] else []):  # no name given, but a list flag took one as an item
+        if word in recipes and left_over(argv[:i] + argv[i + 1:]) == []:  # (--reward-fn f.py:g grpo): not guessed
             fail("the named configuration", word, f"{next(w for w in argv[i::-1] if w.startswith('-'))} took it as "
                  "one of its items; name the configuration before the flags")
     return tyro.cli(cls, args=argv, default=default, description=description)

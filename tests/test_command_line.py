@@ -59,6 +59,8 @@ def test_a_configuration_stands_anywhere_and_a_name_that_is_a_flag_value_is_not_
             rloo.parse_args(rloo.Args, CONFIGS, argv, "")
     args = rloo.parse_args(rloo.Args, CONFIGS, ["grpo", "--reward-fn", "f.py:g"], "")
     assert args.exp_name == "grpo" and args.task.reward_fn == ["f.py:g"]
+    args = rloo.parse_args(rloo.Args, CONFIGS, ["grpo", "--stop-strings", "x", "grpo"], "")  # named first: an item
+    assert args.exp_name == "grpo" and args.gen.stop_strings == ["x", "grpo"]
 
 
 REWARDS = """

@@ -37,9 +37,9 @@ import rloo
 
 
 @contextlib.contextmanager
-def padded(script, *models):
-    """The models' forwards in `script` (the module ppo or rloo) padded, as for a model that fails the packing check:
-    their "packs" check set to False for the while."""
+def padded(*models):
+    """The models' forwards padded (in ppo.py and rloo.py alike), as for a model that fails the packing check: their
+    "packs" check set to False for the while."""
     checks = [vars(m).setdefault("checks", {}) for m in dict.fromkeys(models) if m is not None]
     saved = [checked.get("packs") for checked in checks]
     for checked in checks:
@@ -91,7 +91,7 @@ def test_packed_logprobs_equal_the_padded_forward_at_every_width(arch, k):
     queries, responses[:k] = queries[::k], 0  # [P, 10]; the first group: no response tokens at all
     query_mask, valid = (queries != 0).cumsum(1) > 0, responses != 0
     value = ppo.token_classifier_from(model, 1, "--model", "test").eval()  # its config asks for a cache by default
-    with torch.no_grad(), padded(ppo, model, value):
+    with torch.no_grad(), padded(model, value):
         plain = ppo.response_logprobs(model, queries, query_mask, responses, valid, 0.7, (0, 1.0, 0.0), True,
                                       chunk=2 ** 20)
         plain += (ppo.response_values(value, queries, query_mask, responses, valid),)
@@ -134,7 +134,7 @@ def test_long_responses_go_in_segments_of_fewer_each_after_a_copy_of_the_prompt(
     assert starts > 2  # more than one copy of each of the 2 prompts
     with torch.no_grad():
         packed = ppo.response_logprobs(model, queries, query_mask, responses, valid, 1.0)[0]
-        with padded(ppo, model):
+        with padded(model):
             plain = ppo.response_logprobs(model, queries, query_mask, responses, valid, 1.0)[0]
     assert (packed - plain).abs().max() < 1e-5
 
@@ -217,7 +217,7 @@ def test_the_packing_check_packs_only_models_that_keep_segments_apart(arch, dtyp
             forced = logprobs()
         except Exception:  # the forward takes no 4D mask (or no dict of them)
             forced = None
-        with padded(ppo, model):
+        with padded(model):
             plain = logprobs()
     tol = 1e-5 if dtype == torch.float32 else 1e-3  # packed forwards here round as padded ones do
     assert (forced is None or bool((forced - plain).abs().max() > tol)) == (arch in REFUSED)
@@ -250,8 +250,7 @@ def run_step(script: str, settings: dict, lora: bool, checkpointing: bool, pad: 
         optimizer = ppo.adamw([policy], 1e-2, 0.0)
         step = lambda: rloo.rloo_step(policy, ref, optimizer, queries, responses, rewards, pad_token_id=0,
                                       eos_token_id=2, hp=rloo.RLOOHParams(**settings))
-    module = ppo if script == "ppo" else rloo
-    with padded(module, *models) if pad else contextlib.nullcontext():
+    with padded(*models) if pad else contextlib.nullcontext():
         metrics = step()
         assert vars(policy)["checks"]["packs"] is not pad  # packed or not
     return metrics, [p.detach().clone() for m in models if m is not None for p in m.parameters() if p.requires_grad]
