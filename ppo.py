@@ -494,6 +494,10 @@ def main(args: Args) -> None:
     gen.max_new_tokens = gen.max_new_tokens or (4 if builtin else 64)
     if hp.temperature <= 0:
         fail("--temperature", hp.temperature, "must be > 0: the logits are divided by it (evaluation is greedy anyway)")
+    for flag, value in (("--num-ppo-epochs", hp.num_ppo_epochs), ("--num-mini-batches", hp.num_mini_batches),
+                        ("--gradient-accumulation-steps", hp.gradient_accumulation_steps)):
+        if value < 1:
+            fail(flag, value, "give at least 1")
     local_batch = args.batch_size // world
     if args.batch_size % world or local_batch % (hp.num_mini_batches * hp.gradient_accumulation_steps):
         fail("--batch-size", args.batch_size, f"must be divisible by {world} process(es) x --num-mini-batches "

@@ -619,6 +619,10 @@ def main(args: Args) -> None:
         print(f"note: --loss-type {hp.loss_type} with --importance-sampling-level {hp.importance_sampling_level}: " + (
             "each response's one loss weighed by its length (GSPO: grpo; VESPO: token)" if per_response else "LUSPO "
             "takes a ratio per response (--importance-sampling-level sequence)"))
+    for flag, value in (("--num-ppo-epochs", hp.num_ppo_epochs), ("--num-mini-batches", hp.num_mini_batches),
+                        ("--gradient-accumulation-steps", hp.gradient_accumulation_steps)):
+        if value < 1:
+            fail(flag, value, "give at least 1")
     local_prompts = args.batch_size // (hp.rloo_k * world)
     if args.batch_size % (hp.rloo_k * world) or local_prompts % (hp.num_mini_batches * hp.gradient_accumulation_steps):
         fail("--batch-size", args.batch_size, f"must be divisible by --rloo-k ({hp.rloo_k}) x {world} process(es) x "

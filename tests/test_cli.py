@@ -200,6 +200,8 @@ def test_save_then_resume_gives_the_same_run(script, tmp_path):
      ["['question', 'answer']"]),
     (["--model", "no/such-model-folder"], "--model", ["no/such-model-folder"]),
     (["--batch-size", "30", "--num-mini-batches", "4"], "--batch-size", ["divisible"]),
+    (["--num-mini-batches", "0"], "--num-mini-batches", ["at least 1"]),  # not a division by zero
+    (["--num-ppo-epochs", "0"], "--num-ppo-epochs", ["at least 1"]),  # not a run that trains nothing
     (["--reward-fn", "my_prompts:exact", "--reward-weights", "1", "2", "--prompt-fn", "my_prompts:digits"],
      "--reward-weights", ["one weight per"]),
     (["--dataset", "long.jsonl", "--reward-fn", "my_prompts:exact"], "--dataset", ["context of 256"]),
