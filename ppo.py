@@ -930,31 +930,25 @@ def packed_inputs(model, queries: torch.Tensor, query_mask: torch.Tensor, respon
 
 def pack_segments(model, queries: torch.Tensor, query_mask: torch.Tensor, responses: torch.Tensor,
                   valid: torch.Tensor, width: int | None = None) -> tuple:
-    """packed_inputs' packed layout: a group's prompt (its real tokens) then its responses are one segment, or, where
-    the attention's square over long rows costs more than copies of the prompt, segments of k | K responses after their
-    own copy. Position ids go on from the prompt's end; a 4D mask shows a token its segment's prompt and its response's
-    earlier tokens (within a sliding window, per layer type). Segments fill rows longest first (first fit) of `width`,
-    or of the width and k of least cost: a position's layers, then its attention over the row (docs/benchmarks.md)."""
+    """packed_inputs' packed layout: a group's prompt (its real tokens) then its k responses are one segment. Position
+    ids go on from the prompt's end; a 4D mask shows a token its segment's prompt and its response's earlier tokens
+    (within a sliding window, per layer type). Segments fill rows longest first (first fit) of `width`, or of the
+    width of least cost: a position's layers, then its attention over the row (docs/benchmarks.md)."""
     config = model.config.get_text_config()  # a multimodal model's language model's
-    n_q, n_r, per_position = query_mask.sum(1), valid.sum(1), 3 * config.hidden_size  # [P], [B]: real tokens
-    K = len(n_r) // len(n_q)  # responses per prompt
+    (P, Lq), (B, T), device, qm = queries.shape, responses.shape, queries.device, query_mask.bool()
+    n_q, n_r, k = query_mask.sum(1), valid.sum(1), B // P  # [P], [B]: real tokens; k responses per prompt
+    lengths, per_position = (n_q + n_r.view(P, k).sum(1)).tolist(), 3 * config.hidden_size  # [P] segments' tokens
 
-    def first_fit(W: int, k: int, lengths: list) -> tuple:  # (cost, W, k, rows, each segment's first flat position)
-        widths, base = [], [0] * len(lengths)
-        for p in sorted(range(len(lengths)), key=lambda p: -lengths[p]):  # longest first
+    def first_fit(W: int) -> tuple:  # (cost, W, rows, each segment's first flat position)
+        widths, base = [], [0] * P
+        for p in sorted(range(P), key=lambda p: -lengths[p]):  # longest first
             r = next((r for r, w in enumerate(widths) if w + lengths[p] <= W), len(widths))
             widths += [0] * (r == len(widths))
             base[p], widths[r] = r * W + widths[r], widths[r] + lengths[p]
-        return len(widths) * W * (per_position + W), W, k, len(widths), base
+        return len(widths) * W * (per_position + W), W, len(widths), base
 
-    fits = []  # a group's K responses in segments of k, each after its own copy of the prompt (k = K: one copy)
-    for k in (k for k in range(1, K + 1) if K % k == 0):
-        lengths = (n_q.repeat_interleave(K // k) + n_r.view(-1, k).sum(1)).tolist()  # [P K / k] segments' tokens
-        widths = [width] if width else {max(lengths) * (8 + i) // 8 for i in range(17)}
-        fits += [first_fit(w, k, lengths) for w in widths if w >= max(lengths)]
-    _, W, k, rows, base = min(fits)
-    queries, query_mask, n_q = (x.repeat_interleave(K // k, 0) for x in (queries, query_mask, n_q))  # one a segment
-    (P, Lq), (B, T), device, qm = queries.shape, responses.shape, queries.device, query_mask.bool()
+    widths = [width] if width else {max(lengths) * (8 + i) // 8 for i in range(17)}  # 1 to 3 times the longest
+    _, W, rows, base = min(first_fit(w) for w in widths)
     base, t = torch.tensor(base, device=device), torch.arange(max(Lq, T, B), device=device)  # base [P]
     q_pos = t[:Lq] - (Lq - n_q)[:, None]  # [P, Lq] the prompts' position ids (negative on padding)
     r_pos = n_q.repeat_interleave(k)[:, None] + t[:T]  # [B, T] the responses', going on from the prompt's end
