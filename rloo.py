@@ -922,8 +922,7 @@ def render_prompt(tokenizer, prompt: str | list) -> list[int]:
         return tokenizer(prompt).input_ids
     if not tokenizer.chat_template:
         fail("--model", tokenizer.name_or_path, "the prompts are chat messages but the tokenizer has no chat template")
-    text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
-    return tokenizer(text, add_special_tokens=False).input_ids
+    return tokenizer.apply_chat_template(prompt, add_generation_prompt=True).input_ids  # no special tokens added
 
 
 @dataclass
