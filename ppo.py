@@ -897,8 +897,7 @@ def packed_inputs(model, queries: torch.Tensor, query_mask: torch.Tensor, respon
     """The forward's inputs for P prompts (queries, query_mask [P, Lq], left-padded) and their k = B / P responses each
     (responses, valid [B, T], right-padded), and index [B, T], the flat output position scoring each response token:
     pack_segments' rows if a sequence packed after another group and a sibling response gets the decoder output of its
-    own forward where scored (checked once per model, one answer for all processes), else padded rows, prompts k
-    times."""
+    own forward where scored (checked once per model, agreed by all processes), else padded rows, prompts k times."""
     (P, Lq), (B, T), device = queries.shape, responses.shape, queries.device
     checked = model.__dict__.setdefault("checks", {})  # "packs", "head": each check passed on every process
     if "packs" not in checked:
