@@ -1061,8 +1061,7 @@ def generation_configs(gen: GenArgs, tokenizer, temperature: float, top_k: int =
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float,
                   keep: torch.Tensor | None = None) -> torch.Tensor:
-    """logits [..., V] with -inf outside what transformers' top-k, then top-p, then min-p warpers keep (`generate`'s
-    order); keep [...] stays in."""
+    """logits [..., V], -inf outside what `generate`'s top-k, top-p, then min-p warpers keep; keep [...] stays in."""
     if not (top_k or top_p < 1.0 or min_p):
         return logits
     kept = logits.reshape(-1, logits.shape[-1])  # [N, V]: the warpers take rows
