@@ -1533,9 +1533,7 @@ def step_or_skip(optimizer, params: list, nonfinite: bool, max_grad_norm: float,
     if not nonfinite and grads and torch.distributed.is_initialized():
         flat = torch.cat([g.flatten() for g in grads])
         torch.distributed.all_reduce(flat)
-        flat /= torch.distributed.get_world_size()
-        for g, chunk in zip(grads, flat.split([g.numel() for g in grads])):
-            g.copy_(chunk.view_as(g))
+        torch.nn.utils.vector_to_parameters(flat.div_(torch.distributed.get_world_size()), grads)  # slices of flat
     if not nonfinite:
         nonfinite = not torch.isfinite(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
     if not nonfinite:
