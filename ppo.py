@@ -1665,9 +1665,8 @@ def load_weights(model, folder: Path) -> None:
         held = {own[k].data_ptr() for k in own.keys() - set(found.missing_keys)}
         missing = [k for k in found.missing_keys if own[k].data_ptr() not in held]
     if found.unexpected_keys or missing:
-        fail("--resume", str(folder.parent), f"its {folder.name} {'adapters' if lora else 'weights'} do not fit "
-             f"the model (unexpected {found.unexpected_keys[:2]}, missing {missing[:2]}); resume with the run's "
-             "own --model")
+        fail("--resume", str(folder.parent), f"its {folder.name} {'adapters' if lora else 'weights'} do not fit the "
+             f"model (unexpected {found.unexpected_keys[:2]}, missing {missing[:2]}); resume with the run's --model")
 
 
 def save_checkpoint(folder: Path, models: dict, weights: dict, tokenizer, state: dict, keep: int) -> None:
