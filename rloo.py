@@ -500,10 +500,10 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
     in_loss = train & ended[:, None] if hp.mask_truncated_completions else train  # [B, T]
 
     # 2. Rollout passes, no gradients, by whole prompts: the reference's logprobs, the policy's old ones if needed.
+    rows = lambda p, i: (queries[p], query_mask[p], responses[i], valid[i])  # the forwards' inputs: prompts p, rows i
     def forward(p, i) -> tuple:  # the update's forward pass, with gradients: logprobs and entropy of prompts p, rows i
         with autocast(hp.dtype, device):
-            return response_logprobs(policy, queries[p], query_mask[p], responses[i], valid[i], hp.temperature,
-                                     support, True, chunk=hp.logits_chunk)
+            return response_logprobs(policy, *rows(p, i), hp.temperature, support, True, chunk=hp.logits_chunk)
     on_policy = hp.num_ppo_epochs == 1 and hp.num_mini_batches == 1
     fused = on_policy and hp.gradient_accumulation_steps == 1  # one batch on-policy: its training pass runs here
     need_old = not on_policy or (hp.kl_in_reward and hp.kl_coef > 0 and not fused)
@@ -514,13 +514,11 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
     with torch.no_grad(), autocast(hp.dtype, device):
         parts = []
         for q, r in chunks if with_policy or hp.kl_coef > 0 else []:  # models' (h [b, T, H], output layer)
-            hidden = functools.partial(response_hidden, queries=queries[q], query_mask=query_mask[q],
-                                       responses=responses[r], valid=valid[r], chunk=hp.logits_chunk)
-            models = [hidden(policy)] if with_policy else []
+            models = [response_hidden(policy, *rows(q, r), hp.logits_chunk)] if with_policy else []
             if hp.kl_coef > 0:
                 ref_model, ref_context = reference(policy, ref_policy)  # ref_policy None: the policy, adapters off
                 with ref_context:
-                    models.append(hidden(ref_model))
+                    models.append(response_hidden(ref_model, *rows(q, r), hp.logits_chunk))
             parts.append(logprobs_on_support(models, responses[r], hp.temperature, support, hp.logits_chunk, valid[r]))
         old_logprobs = torch.cat([p[0] for p in parts]) if need_old else (  # on-policy: the training pass's own
             first[0].detach() if fused else torch.zeros(B, T, device=device))  # (or filled micro-batch by micro-batch)
