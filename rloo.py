@@ -392,9 +392,8 @@ def group_advantages(rewards: torch.Tensor, k: int, baseline: str, scale: str) -
 
 def policy_losses(logprobs: torch.Tensor, old_logprobs: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
                   hp: RLOOHParams, weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """Token losses [b, T], log-ratios [b, T] (or [b, 1], one per response) of logprobs to old_logprobs on mask and the
-    clip's metrics, advantages adv [b, 1], by hp.loss_type as TRL 1.16 (docs/rloo.md, the family): cispo, sapo, vespo,
-    or PPO's clip for the rest; each formula at its branch, r the ratio. weight [b, T]: the sampler correction."""
+    """Token losses [b, T] by hp.loss_type as TRL 1.16 (docs/rloo.md), log-ratios [b, T] (or [b, 1], one per response)
+    and the clip's metrics of logprobs to old_logprobs on mask; adv [b, 1]; weight [b, T]: the sampler correction."""
     log_ratio = token_log_ratio = logprobs - old_logprobs  # [b, T]
     if hp.importance_sampling_level != "token":  # one per response [b, 1]: mean (GSPO) or sum (TRL RLOO)
         n = mask.sum(1).clamp(min=1) if hp.importance_sampling_level == "sequence" else 1
