@@ -508,10 +508,9 @@ def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: t
     need_old = not on_policy or (hp.kl_in_reward and hp.kl_coef > 0 and not fused)
     with_policy = need_old or (hp.kl_coef > 0 and support != (0, 1.0, 0.0))  # the reference on the policy's support
     per_chunk = max(1, hp.forward_batch_size // k)
-    chunks = [(slice(p, p + per_chunk), slice(p * k, (p + per_chunk) * k)) for p in range(0, P, per_chunk)]
+    chunks, parts = [(slice(p, p + per_chunk), slice(p * k, (p + per_chunk) * k)) for p in range(0, P, per_chunk)], []
     first = forward(slice(None), slice(None)) if fused else None  # [B, T] each
     with torch.no_grad(), autocast(hp.dtype, device):
-        parts = []
         for q, r in chunks if with_policy or hp.kl_coef > 0 else []:  # models' (h [b, T, H], output layer)
             models = [response_hidden(policy, *rows(q, r), hp.logits_chunk)] if with_policy else []
             if hp.kl_coef > 0:
