@@ -649,8 +649,7 @@ def main(args: Args) -> None:
         log_row(metrics_path, run, {"iteration": 0, "episode": 0, "elapsed_s": 0.0, **metrics}, samples)
         state["accuracy"] = metrics["task/accuracy"]
     spreads = []  # the first iterations' score spreads
-    progress = tqdm(range(start, num_iterations + 1), initial=start - 1, total=num_iterations, desc="rloo",
-                    disable=rank != 0)
+    progress = tqdm(range(start, num_iterations + 1), "rloo", total=num_iterations, initial=start - 1, disable=rank > 0)
     t0 = time.time() - state["elapsed"]
     for iteration in progress:
         # 8. Rollout: anneal the lr, this process's share of the prompts, k samples each, rewards; DAPO's rounds.
