@@ -313,15 +313,6 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
         return logprobs, lse - (logits.softmax(-1) * kept).sum(-1)
 
 
-def sampler_metrics(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor) -> dict:
-    """The sampler's logprobs [B, T] against the trainer's old ones on mask [B, T], as TRL logs them."""
-    diff = (old_logprobs - sampler_logprobs)[mask] if mask.any() else torch.zeros(1, device=mask.device)  # [N]
-    ratio = diff.exp()
-    return {"sampling/sampling_logp_difference/mean": diff.abs().mean().item(),
-            "sampling/sampling_logp_difference/max": diff.abs().max().item(),
-            **{f"sampling/importance_sampling_ratio/{f}": getattr(ratio, f)().item() for f in ("min", "mean", "max")}}
-
-
 def gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation backwards over T (rewards, values: 0 on padding); advantages, returns [B, T]."""
     next_values = torch.nn.functional.pad(values[:, 1:], (0, 1))  # [B, T]: 0 after the last token
@@ -1512,6 +1503,15 @@ def refuse_dropout(**models: torch.nn.Module) -> None:
         if active:
             raise ValueError(f"{name} applies dropout in training mode (in {', '.join(active[:3])}): call "
                              f"disable_dropout({name}) from ppo.py or rloo.py, or {name}.eval(), before the step")
+
+
+def sampler_metrics(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor) -> dict:
+    """The sampler's logprobs [B, T] against the trainer's old ones on mask [B, T], as TRL logs them."""
+    diff = (old_logprobs - sampler_logprobs)[mask] if mask.any() else torch.zeros(1, device=mask.device)  # [N]
+    ratio = diff.exp()
+    return {"sampling/sampling_logp_difference/mean": diff.abs().mean().item(),
+            "sampling/sampling_logp_difference/max": diff.abs().max().item(),
+            **{f"sampling/importance_sampling_ratio/{f}": getattr(ratio, f)().item() for f in ("min", "mean", "max")}}
 
 
 def average_metrics(metrics: dict, device: torch.device, counts: tuple[str, ...] = ()) -> dict:

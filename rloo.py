@@ -354,15 +354,6 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
         return logprobs, lse - (logits.softmax(-1) * kept).sum(-1)
 
 
-def sampler_metrics(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor) -> dict:
-    """The sampler's logprobs [B, T] against the trainer's old ones on mask [B, T], as TRL logs them."""
-    diff = (old_logprobs - sampler_logprobs)[mask] if mask.any() else torch.zeros(1, device=mask.device)  # [N]
-    ratio = diff.exp()
-    return {"sampling/sampling_logp_difference/mean": diff.abs().mean().item(),
-            "sampling/sampling_logp_difference/max": diff.abs().max().item(),
-            **{f"sampling/importance_sampling_ratio/{f}": getattr(ratio, f)().item() for f in ("min", "mean", "max")}}
-
-
 def kl_estimator_for(hp: RLOOHParams) -> str:
     """The estimator where hp puts the KL ('auto': k1 in the reward, k2 in the loss); ValueError for k2 or k1 there."""
     if hp.kl_estimator == "auto":
@@ -1636,6 +1627,15 @@ def refuse_dropout(**models: torch.nn.Module) -> None:
         if active:
             raise ValueError(f"{name} applies dropout in training mode (in {', '.join(active[:3])}): call "
                              f"disable_dropout({name}) from ppo.py or rloo.py, or {name}.eval(), before the step")
+
+
+def sampler_metrics(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor) -> dict:
+    """The sampler's logprobs [B, T] against the trainer's old ones on mask [B, T], as TRL logs them."""
+    diff = (old_logprobs - sampler_logprobs)[mask] if mask.any() else torch.zeros(1, device=mask.device)  # [N]
+    ratio = diff.exp()
+    return {"sampling/sampling_logp_difference/mean": diff.abs().mean().item(),
+            "sampling/sampling_logp_difference/max": diff.abs().max().item(),
+            **{f"sampling/importance_sampling_ratio/{f}": getattr(ratio, f)().item() for f in ("min", "mean", "max")}}
 
 
 def average_metrics(metrics: dict, device: torch.device, counts: tuple[str, ...] = ()) -> dict:
