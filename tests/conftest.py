@@ -54,9 +54,10 @@ def run_main(script: str, *args: str, cwd: Path | None = None, env: dict | None 
     folder = Path(cwd or ROOT).resolve()
     try:
         os.chdir(folder)
+        os.environ.update({"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})  # as run_script's, for any child process
         os.environ.update({k: str(v) for k, v in (env or {}).items()})
         argv = sys.argv = [str(ROOT / script), *map(str, args)]
-        sys.path.insert(0, str(ROOT))
+        sys.path[:0] = [str((ROOT / script).parent), str(ROOT)]  # as python and run_script's PYTHONPATH put them
         torch.set_num_threads(1)  # as run_script's OMP_NUM_THREADS=1
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:

@@ -9,7 +9,7 @@ import torch
 
 import ppo
 import rloo
-from conftest import ROOT, run_script
+from conftest import ROOT, run_main
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 TINY = ["--total-episodes", "16", "--batch-size", "8", "--num-mini-batches", "1", "--num-ppo-epochs", "1",
@@ -39,19 +39,19 @@ def test_sampling_filters_are_on_policy_and_only_the_others_are_named_off_policy
     note = capsys.readouterr().out
     assert "--min-new-tokens 2" in note and "--repetition-penalty 1.2" in note and "off-policy" in note
     for script in ("ppo.py", "rloo.py"):
-        help_text = " ".join(run_script(script, "--help").stdout.replace("│", " ").split())  # one line of words
+        help_text = " ".join(run_main(script, "--help").stdout.replace("│", " ").split())  # one line of words
         for flag, words in (("--top-k", "on-policy"), ("--top-p", "on-policy"), ("--min-p", "same support"),
                             ("--repetition-penalty", "off-policy"), ("--min-new-tokens", "off-policy")):
             block = help_text[re.search(f"{flag} [A-Z]", help_text).start():][:300]  # the flag's own entry
             assert words in block, f"{script} --help: {flag} does not say {words}"
-        filtered = run_script(script, *TINY, "--top-k", "3", "--top-p", "0.9", "--output-dir", tmp_path / script, *(
+        filtered = run_main(script, *TINY, "--top-k", "3", "--top-p", "0.9", "--output-dir", tmp_path / script, *(
             ["--rloo-k", "2"] if script == "rloo.py" else []))
         assert filtered.returncode == 0, filtered.stderr[-2000:]
         assert "off-policy" not in filtered.stdout, filtered.stdout[-2000:]
         rows = [json.loads(line) for line in (tmp_path / script / "metrics.jsonl").read_text().splitlines()[1:]]
         assert all(r["sampling/sampling_logp_difference/max"] < 1e-4 for r in rows), rows
         assert all(abs(r["sampling/importance_sampling_ratio/mean"] - 1) < 1e-4 for r in rows), rows
-        penalised = run_script(script, *TINY, "--repetition-penalty", "1.3", "--output-dir", tmp_path / "p", *(
+        penalised = run_main(script, *TINY, "--repetition-penalty", "1.3", "--output-dir", tmp_path / "p", *(
             ["--rloo-k", "2"] if script == "rloo.py" else []))
         lines = [line for line in penalised.stdout.splitlines() if "off-policy" in line]
         assert len(lines) == 1 and "--repetition-penalty 1.3" in lines[0], penalised.stdout[-2000:]
