@@ -63,7 +63,7 @@ def rows_of(run_dir):
 def test_a_reward_without_prompts_scores_the_builtin_prompts(script, reward, tmp_path, tiny_prm_dir):
     (tmp_path / "my_rewards.py").write_text(REWARD)
     flags = ["--reward-fn", "my_rewards.py:score"] if reward == "fn" else ["--prm-model", str(tiny_prm_dir)]
-    result = run_script(script, *RL_TINY, *flags, "--output-dir", tmp_path / "run", cwd=tmp_path)
+    result = run_main(script, *RL_TINY, *flags, "--output-dir", tmp_path / "run", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count(NOTE) == 1, result.stdout[-2000:]
     rows = rows_of(tmp_path / "run")
@@ -89,10 +89,10 @@ def test_interleave_prm_phase_nan_stops_with_one_line_or_is_skipped(tmp_path):
     """A NaN learning rate turns the PRM's weights into NaN at step 1, so step 2's loss is NaN."""
     args = ["--phases", "prm", "--total-steps", "2", "--eval-every", "2", "--prm.batch-size", "8",
             "--prm.learning-rate", "nan"]
-    line = assert_one_line_error(run_script("interleave.py", *args, "--output-dir", tmp_path / "stop"),
+    line = assert_one_line_error(run_main("interleave.py", *args, "--output-dir", tmp_path / "stop"),
                                  "--prm.skip-nonfinite", "at step 2")
     assert "NaN" in line or "nan" in line, line
-    result = run_script("interleave.py", *args, "--prm.skip-nonfinite", "--output-dir", tmp_path / "skip")
+    result = run_main("interleave.py", *args, "--prm.skip-nonfinite", "--output-dir", tmp_path / "skip")
     assert result.returncode == 0, result.stderr[-3000:]
     rows = rows_of(tmp_path / "skip")
     assert [r["prm/train/nonfinite_skipped"] for r in rows[1:]] == [0.0, 1.0]

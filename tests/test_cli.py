@@ -233,16 +233,16 @@ def test_bad_input_runs_in_a_process_and_in_this_one_alike(script, args, user_fi
 
 
 def test_rloo_needs_two_samples_per_prompt(tmp_path):
-    result = run_script("rloo.py", *TINY, "--rloo-k", "1", "--output-dir", tmp_path)
+    result = run_main("rloo.py", *TINY, "--rloo-k", "1", "--output-dir", tmp_path)
     assert_one_line_error(result, "--rloo-k", "at least 2")
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_process_rewards_from_a_prm(script, tmp_path, tiny_prm_dir):
-    result = run_script(script, *TINY, "--prompt-fn", "stepwise_prm:multistep_prompt",
-                        "--reward-fn", "stepwise_prm:multistep_reward",
-                        "--prm-model", tiny_prm_dir, "--prm-weight", "0.5", "--max-new-tokens", "16",
-                        "--output-dir", tmp_path / "run")
+    result = run_main(script, *TINY, "--prompt-fn", "stepwise_prm:multistep_prompt",
+                      "--reward-fn", "stepwise_prm:multistep_reward",
+                      "--prm-model", tiny_prm_dir, "--prm-weight", "0.5", "--max-new-tokens", "16",
+                      "--output-dir", tmp_path / "run")
     assert result.returncode == 0, result.stderr[-3000:]
     rows = read_metrics(tmp_path / "run")
     assert rows[-1]["episode"] == 32

@@ -8,29 +8,29 @@ import pytest
 
 import interleave
 import rloo
-from conftest import run_script
+from conftest import run_main
 
 SHORT = ["--total-episodes", "64", "--batch-size", "16", "--eval-every", "100"]
 
 
 def test_help_names_every_configuration_and_the_common_flags():
-    text = run_script("rloo.py", "--help").stdout
+    text = run_main("rloo.py", "--help").stdout
     head = text[:text.index("--exp-name")]  # before the full list of flags
     for name, (description, _) in rloo.RECIPES.items():
         assert f"{name}: {description}" in head
     for flag in ("--model", "--dataset", "--prompt-fn", "--reward-fn", "--total-episodes", "--output-dir"):
         assert flag in head
     assert "2560 are 10" in head  # a short run, worked out: 10 iterations of the default batch
-    text = run_script("interleave.py", "--help").stdout
+    text = run_main("interleave.py", "--help").stdout
     assert all(f"{name}: {description}" in text for name, (description, _) in interleave.RECIPES.items())
-    assert "--total-episodes" in run_script("ppo.py", "--help").stdout.split("--exp-name")[0]
+    assert "--total-episodes" in run_main("ppo.py", "--help").stdout.split("--exp-name")[0]
 
 
 CONFIGS = {name: (text, rloo.named_config(name)) for name, (text, _) in rloo.RECIPES.items()}
 
 
 def test_a_misspelt_configuration_is_one_line_naming_the_closest_and_all():
-    result = run_script("rloo.py", "--seed", "2", "gpro")
+    result = run_main("rloo.py", "--seed", "2", "gpro")
     assert result.returncode != 0
     assert result.stderr.strip().splitlines() == [
         f"error: the named configuration 'gpro': did you mean gspo or grpo? name one of {', '.join(rloo.RECIPES)}, "
@@ -77,22 +77,22 @@ def test_the_run_folder_first_and_a_reward_that_never_varies_said_once(tmp_path)
     """The built-in model writes digits and +-*= only: a reward for 'yes' is 0 for every completion. The
     configuration after the flags is the run's."""
     (tmp_path / "rewards.py").write_text(REWARDS)
-    result = run_script("rloo.py", *SHORT, "--reward-fn", f"{tmp_path / 'rewards.py'}:score_yes", "--output-dir",
-                        tmp_path / "run", "grpo", cwd=tmp_path)
+    result = run_main("rloo.py", *SHORT, "--reward-fn", f"{tmp_path / 'rewards.py'}:score_yes", "--output-dir",
+                      tmp_path / "run", "grpo", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("warning: the rewards of 3 iterations never varied (the last's all 0): nothing to "
                                "learn from; check that the reward can score what the model writes (the built-in "
                                "model writes digits and +-*= only)") == 1
     assert result.stdout.index(f"run folder: {tmp_path / 'run'}") < result.stdout.index("iteration 0")
     assert json.loads((tmp_path / "run" / "config.json").read_text())["exp_name"] == "grpo"
-    result = run_script("ppo.py", *SHORT, "--reward-fn", f"{tmp_path / 'rewards.py'}:score_length", "--output-dir",
-                        tmp_path / "varies", cwd=tmp_path)
+    result = run_main("ppo.py", *SHORT, "--reward-fn", f"{tmp_path / 'rewards.py'}:score_length", "--output-dir",
+                      tmp_path / "varies", cwd=tmp_path)
     assert result.returncode == 0 and "never varied" not in result.stdout
     assert result.stdout.index(f"run folder: {tmp_path / 'varies'}") < result.stdout.index("iteration 0")
 
 
 def test_a_reward_with_the_wrong_signature_is_told_the_right_one(tmp_path):
     (tmp_path / "bad.py").write_text("def score(prompts):\n    return [0.0] * len(prompts)\n")
-    result = run_script("rloo.py", *SHORT, "--reward-fn", f"{tmp_path / 'bad.py'}:score", "--output-dir", tmp_path)
+    result = run_main("rloo.py", *SHORT, "--reward-fn", f"{tmp_path / 'bad.py'}:score", "--output-dir", tmp_path)
     assert result.returncode != 0
     assert "(called as fn(prompts=, completions=, completion_ids=, **columns)" in result.stderr.strip().splitlines()[-1]

@@ -14,7 +14,14 @@ import torch
 from safetensors.torch import load_file
 
 import ppo
-from conftest import ROOT, assert_merged_is_base_plus_adapter, assert_one_line_error, run_killed_at, run_script
+from conftest import (
+    ROOT,
+    assert_merged_is_base_plus_adapter,
+    assert_one_line_error,
+    run_killed_at,
+    run_main,
+    run_script,
+)
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 TINY = {
@@ -136,12 +143,12 @@ def test_nonfinite_loss_stops_with_the_last_checkpoint_kept(script, tmp_path):
     reward = f"{tmp_path / 'nan_reward.py'}:blows_up"
     args = [*TINY[script], "--prompt-fn", "ppo:addition_prompt", "--reward-fn", reward, "--eval-every", "100",
             "--save-every", "2", "--output-dir", tmp_path / "run"]
-    line = assert_one_line_error(run_script(script, *args), "--skip-nonfinite", "NaN/inf at iteration 4")
+    line = assert_one_line_error(run_main(script, *args), "--skip-nonfinite", "NaN/inf at iteration 4")
     assert "last good checkpoint" in line
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["iter_000002"]
     assert [r["iteration"] for r in rows_of(tmp_path / "run")] == [0, 1, 2, 3]
     # asked to skip such batches, the run goes on and counts them
-    result = run_script(script, *args, "--skip-nonfinite")
+    result = run_main(script, *args, "--skip-nonfinite")
     assert result.returncode == 0, result.stderr[-3000:]
     rows = rows_of(tmp_path / "run")
     assert rows[-1]["iteration"] == 4 and rows[-1]["loss/nonfinite_skipped"] > 0

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import rloo
-from conftest import run_script
+from conftest import run_main, run_script
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 REWARDS = '''
@@ -56,7 +56,7 @@ def test_stacked_groups_are_padded_as_the_rollout_pads_them():
 
 def test_groups_with_signal_fill_the_batch_in_rounds(rewards_dir):
     run = rewards_dir / "run"
-    result = run_script("rloo.py", *TINY, "--reward-fn", "my_rewards:half_flat", "--output-dir", run, cwd=rewards_dir)
+    result = run_main("rloo.py", *TINY, "--reward-fn", "my_rewards:half_flat", "--output-dir", run, cwd=rewards_dir)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = rows_of(run)
     assert len(rows) == 4 and rows[-1]["episode"] == 64  # episodes count the trained responses
@@ -70,8 +70,8 @@ def test_groups_with_signal_fill_the_batch_in_rounds(rewards_dir):
 
 def test_without_signal_the_rounds_run_out_and_the_stream_moves_by_each(rewards_dir):
     run = rewards_dir / "run"
-    result = run_script("rloo.py", *TINY, "--reward-fn", "my_rewards:flat", "--dataset", rewards_dir / "sums.jsonl",
-                        "--save-every", "1", "--output-dir", run, cwd=rewards_dir)
+    result = run_main("rloo.py", *TINY, "--reward-fn", "my_rewards:flat", "--dataset", rewards_dir / "sums.jsonl",
+                      "--save-every", "1", "--output-dir", run, cwd=rewards_dir)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = rows_of(run)
     assert all(r["sampling/rounds"] == 3 and r["sampling/equal_frac"] == 1.0 for r in rows)

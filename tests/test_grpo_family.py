@@ -16,7 +16,7 @@ import torch
 import tyro
 
 import rloo
-from conftest import ROOT, run_script
+from conftest import ROOT, run_main
 
 P, K, T = 2, 4, 6  # prompts, samples per prompt, response width
 LENGTHS = [2, 6, 4, 6, 1, 3, 6, 5]  # response lengths; 6 without EOS (rows 1, 3, 6) are truncated
@@ -306,8 +306,8 @@ def test_the_docs_table_of_configurations_is_the_code():
 
 
 def test_a_named_configuration_runs_and_flags_after_it_override_it(tmp_path):
-    result = run_script("rloo.py", "grpo", "--total-episodes", "16", "--batch-size", "8", "--rloo-k", "2",
-                        "--eval-every", "1", "--output-dir", tmp_path / "run")
+    result = run_main("rloo.py", "grpo", "--total-episodes", "16", "--batch-size", "8", "--rloo-k", "2",
+                      "--eval-every", "1", "--output-dir", tmp_path / "run")
     assert result.returncode == 0, result.stderr[-3000:]
     config = json.loads((tmp_path / "run" / "config.json").read_text())
     assert config["rloo"]["baseline"] == "group_mean" and config["rloo"]["loss_type"] == "grpo"

@@ -11,7 +11,7 @@ import torch
 from test_grpo_family import K, P, assert_same_direction_and_size, setup, trl_advantages, trl_completion_mask, trl_logps
 
 import rloo
-from conftest import ROOT, run_script
+from conftest import ROOT, run_main, run_script
 
 TRL116 = ROOT / "benchmarks" / ".trl116-venv" / "bin" / "python"
 
@@ -189,10 +189,10 @@ def test_rloo_step_moves_the_weights_as_trl_116(name, trl_changes):
 def test_a_run_with_the_new_switches_and_the_others(tmp_path):
     """vespo's recipe with dynamic sampling, filtered sampling (top-k, top-p), both token masks and the KL in the
     loss: a run of the script, its metrics logged."""
-    result = run_script("rloo.py", "vespo", "--dynamic-sampling", "--top-k", "3", "--top-p", "0.9",
-                        "--top-entropy-quantile", "0.2", "--off-policy-mask-threshold", "0.1", "--no-kl-in-reward",
-                        "--kl-estimator", "k3", "--kl-coef", "0.04", "--total-episodes", "32", "--batch-size", "16",
-                        "--num-mini-batches", "2", "--eval-every", "1", "--output-dir", tmp_path / "run")
+    result = run_main("rloo.py", "vespo", "--dynamic-sampling", "--top-k", "3", "--top-p", "0.9",
+                      "--top-entropy-quantile", "0.2", "--off-policy-mask-threshold", "0.1", "--no-kl-in-reward",
+                      "--kl-estimator", "k3", "--kl-coef", "0.04", "--total-episodes", "32", "--batch-size", "16",
+                      "--num-mini-batches", "2", "--eval-every", "1", "--output-dir", tmp_path / "run")
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["iteration"] == 2 and 0 < rows[-1]["policy/vespo_phi_avg"]
@@ -204,12 +204,12 @@ def test_a_run_with_the_new_switches_and_the_others(tmp_path):
     (["--top-entropy-quantile", "1.5"], "error: --top-entropy-quantile 1.5: is a share of the tokens"),
 ])
 def test_settings_that_cannot_work_stop_with_one_line(args, words, tmp_path):
-    result = run_script("rloo.py", *args, "--output-dir", tmp_path / "run")
+    result = run_main("rloo.py", *args, "--output-dir", tmp_path / "run")
     assert result.returncode != 0 and result.stderr.strip().splitlines()[-1].startswith(words), result.stderr[-2000:]
 
 
 def test_luspo_with_token_ratios_is_noted_once(tmp_path):
-    result = run_script("rloo.py", "--loss-type", "luspo", "--total-episodes", "16", "--batch-size", "16",
-                        "--output-dir", tmp_path / "run")
+    result = run_main("rloo.py", "--loss-type", "luspo", "--total-episodes", "16", "--batch-size", "16",
+                      "--output-dir", tmp_path / "run")
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("note: --loss-type luspo with --importance-sampling-level token") == 1

@@ -107,7 +107,7 @@ TINY = ["--total-steps", "6", "--eval-every", "3", "--sft.batch-size", "8", "--r
 
 @pytest.mark.parametrize("recipe", list(interleave.RECIPES))
 def test_each_recipe_runs(recipe, tmp_path):
-    result = run_script("interleave.py", recipe, *TINY, "--output-dir", tmp_path / "run")
+    result = run_main("interleave.py", recipe, *TINY, "--output-dir", tmp_path / "run")
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == list(range(7))
@@ -123,7 +123,7 @@ def test_each_recipe_runs(recipe, tmp_path):
 
 
 def test_ppo_phase_and_no_recipe_name(tmp_path):
-    result = run_script("interleave.py", "--phases", "sft", "ppo", *TINY, "--output-dir", tmp_path / "run")
+    result = run_main("interleave.py", "--phases", "sft", "ppo", *TINY, "--output-dir", tmp_path / "run")
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert "ppo/objective/scores" in rows[2] and "sft/loss" in rows[1]
@@ -182,8 +182,8 @@ def test_failures_holding_numpy_numbers_and_dates_are_checkpointed_and_resumed(t
 def test_learning_rates_default_by_model_and_are_logged(tmp_path, tiny_model_dir):
     for model, expected in [("builtin", {"sft": 1e-3, "rloo": 1e-3}), (tiny_model_dir, {"sft": 1e-5, "rloo": 3e-6})]:
         out = tmp_path / ("builtin" if model == "builtin" else "folder")
-        result = run_script("interleave.py", "--model", model, "--phases", "sft", "rloo", *TINY, "--no-anneal-lr",
-                            "--output-dir", out)
+        result = run_main("interleave.py", "--model", model, "--phases", "sft", "rloo", *TINY, "--no-anneal-lr",
+                          "--output-dir", out)
         assert result.returncode == 0, result.stderr[-3000:]
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         assert {r["phase"]: r["lr"] for r in rows if "lr" in r} == expected
@@ -192,10 +192,10 @@ def test_learning_rates_default_by_model_and_are_logged(tmp_path, tiny_model_dir
 def test_rl_phases_with_a_prm_as_their_only_reward_train_on_its_step_scores(tmp_path, tiny_prm_dir):
     def run(phase, weight):
         out = tmp_path / f"{phase}-{weight}"
-        result = run_script("interleave.py", "--phases", phase, *TINY, f"--{phase}.prompt-fn",
-                            "stepwise_prm:multistep_prompt",
-                            f"--{phase}.prm-model", tiny_prm_dir, f"--{phase}.prm-weight", weight,
-                            "--max-new-tokens", "16", "--output-dir", out)
+        result = run_main("interleave.py", "--phases", phase, *TINY, f"--{phase}.prompt-fn",
+                          "stepwise_prm:multistep_prompt",
+                          f"--{phase}.prm-model", tiny_prm_dir, f"--{phase}.prm-weight", weight,
+                          "--max-new-tokens", "16", "--output-dir", out)
         assert result.returncode == 0, result.stderr[-3000:]
         return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()], out
     rows, _ = run("rloo", "1.0")  # rloo: each response's aggregated step score is its reward

@@ -14,7 +14,7 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
-from conftest import ROOT, run_script
+from conftest import ROOT, run_main, run_script
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import real_model  # noqa: E402
@@ -177,15 +177,15 @@ def test_vs_trl_runs_rloo_grpo_and_trl_grpotrainer_at_the_same_evaluation_points
 def test_runs_that_do_not_fit_vs_trl_are_refused_before_anything_is_made(flags, refusal, tmp_path):
     """Refused in one line that names the fix, before any model folder or task is made (--vs-trl --runs ppo used to
     run both sides)."""
-    result = run_script("benchmarks/real_model.py", *flags, "--out", tmp_path / "runs")
+    result = run_main("benchmarks/real_model.py", *flags, "--out", tmp_path / "runs")
     assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].endswith(refusal), result.stderr
     assert not (tmp_path / "runs").exists()
 
 
 def test_vs_trl_with_runs_none_runs_nothing(tiny_chat_model, tmp_path):
     """--vs-trl --runs none makes the task and runs no side (it used to run both)."""
-    result = run_script("benchmarks/real_model.py", "--vs-trl", "--runs", "none", "--model-folder", tiny_chat_model,
-                        "--out", tmp_path / "runs", "--plot", tmp_path / "png.png")
+    result = run_main("benchmarks/real_model.py", "--vs-trl", "--runs", "none", "--model-folder", tiny_chat_model,
+                      "--out", tmp_path / "runs", "--plot", tmp_path / "png.png")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "running" not in result.stdout and (tmp_path / "runs" / "data" / "reward.py").exists()
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["data"]

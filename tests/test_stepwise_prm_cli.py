@@ -49,7 +49,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 def test_default_task_with_tiny_settings(tmp_path):
-    result = run_script("stepwise_prm.py", *TINY, "--output-dir", tmp_path / "run")
+    result = run_main("stepwise_prm.py", *TINY, "--output-dir", tmp_path / "run")
     assert result.returncode == 0, result.stderr[-3000:]
     rows = read_metrics(tmp_path / "run")
     assert [r["iteration"] for r in rows] == [0, 1, 2, 3, 4]
@@ -66,8 +66,8 @@ def test_default_task_with_tiny_settings(tmp_path):
 
 
 def test_local_jsonl_with_a_model_folder_and_the_saved_prm_in_use(tmp_path, tiny_model_dir, data):
-    result = run_script("stepwise_prm.py", "--model", tiny_model_dir, "--dataset", data / "steps.jsonl", *TINY_DATA,
-                        "--output-dir", tmp_path / "run")
+    result = run_main("stepwise_prm.py", "--model", tiny_model_dir, "--dataset", data / "steps.jsonl", *TINY_DATA,
+                      "--output-dir", tmp_path / "run")
     assert result.returncode == 0, result.stderr[-3000:]
     rows = read_metrics(tmp_path / "run")
     assert rows[-1]["iteration"] == 4 and "eval/wrong_step_f1" in rows[-1] and "eval/best_of_n_accuracy" not in rows[-1]
@@ -78,16 +78,16 @@ def test_local_jsonl_with_a_model_folder_and_the_saved_prm_in_use(tmp_path, tiny
 
 
 def test_built_in_model_on_a_file_with_fewer_correct_solutions_than_a_batch(tmp_path, data):
-    result = run_script("stepwise_prm.py", "--dataset", data / "steps.jsonl", *TINY_DATA, "--batch-size", "32",
-                        "--warmup-steps", "3", "--output-dir", tmp_path / "run")
+    result = run_main("stepwise_prm.py", "--dataset", data / "steps.jsonl", *TINY_DATA, "--batch-size", "32",
+                      "--warmup-steps", "3", "--output-dir", tmp_path / "run")
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / "run" / "warmup_lm" / "config.json").exists()
 
 
 def test_dataset_folder_with_eval_split_last_step_only_truncation_and_accumulation(tmp_path, tiny_model_dir, data):
-    result = run_script("stepwise_prm.py", "--model", tiny_model_dir, "--dataset", data / "folder", "--eval-split",
-                        "test", "--train-on-last-step-only", "--max-length", "20", "--max-completion-length", "16",
-                        "--gradient-accumulation-steps", "2", *TINY_DATA, "--output-dir", tmp_path / "run")
+    result = run_main("stepwise_prm.py", "--model", tiny_model_dir, "--dataset", data / "folder", "--eval-split",
+                      "test", "--train-on-last-step-only", "--max-length", "20", "--max-completion-length", "16",
+                      "--gradient-accumulation-steps", "2", *TINY_DATA, "--output-dir", tmp_path / "run")
     assert result.returncode == 0, result.stderr[-3000:]
     assert read_metrics(tmp_path / "run")[-1]["iteration"] == 4
 
@@ -145,6 +145,6 @@ def test_bad_input_is_one_line(args, flag, words, data, tmp_path):
 
 
 def test_warm_start_is_refused_for_a_pretrained_model(tiny_model_dir, data, tmp_path):
-    result = run_script("stepwise_prm.py", "--model", tiny_model_dir, "--dataset", "steps.jsonl", *TINY_DATA,
-                        "--warmup-steps", "5", "--output-dir", tmp_path / "run", cwd=data)
+    result = run_main("stepwise_prm.py", "--model", tiny_model_dir, "--dataset", "steps.jsonl", *TINY_DATA,
+                      "--warmup-steps", "5", "--output-dir", tmp_path / "run", cwd=data)
     assert_one_line_error(result, "--warmup-steps", "needs none")
