@@ -43,10 +43,11 @@ def run_main(script: str, *args: str, cwd: Path | None = None, env: dict | None 
     """Run the script's `if __name__ == "__main__":` block in this process, as `python <script> args...` runs it
     (the same sys.argv, working folder, environment, one thread, the script's folder first on sys.path), and return what
     run_script would: the exit code, stdout, and stderr ending with what Python prints when it exits, the message of
-    SystemExit("...") (exit code 1) or the traceback of any other exception. For the bad-input tests and the docs'
-    commands, which run in seconds or less, where a new process spends about 6 s importing torch and transformers
-    (tests/test_cli.py checks that both ways end alike). Modules imported from
-    the run's folder (the user's reward files) are forgotten afterwards, so the next run imports its own."""
+    SystemExit("...") (exit code 1) or the traceback of any other exception. For the bad-input tests, the docs'
+    commands and short runs of one process, where a new process spends 6-9 s importing torch, transformers and peft
+    (tests/test_cli.py checks that both ways end alike); resumes, kills, torchrun, --compile and --track get processes.
+    Modules imported from the run's folder (the user's reward files) are forgotten afterwards, so the next run imports
+    its own."""
     import torch
 
     saved = sys.argv, sys.path[:], set(sys.modules), dict(os.environ), os.getcwd(), torch.get_num_threads()

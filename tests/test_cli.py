@@ -101,9 +101,9 @@ def test_default_task_with_tiny_settings(script, tmp_path):
 def test_each_evaluation_writes_its_completions_and_prints_three(script, tmp_path, tiny_model_dir, user_files):
     """samples.jsonl holds every evaluation completion (iteration, prompt, completion, score); each evaluation prints
     three of them, without wandb. A chat prompt stays a message list; the scores are the reward's."""
-    result = run_script(script, "--model", tiny_model_dir, "--dataset", user_files / "chat.jsonl", "--reward-fn",
-                        f"{user_files / 'my_rewards.py'}:length", "--num-eval-prompts", "6", "--max-new-tokens", "4",
-                        *TINY, "--output-dir", tmp_path / "run")
+    result = run_main(script, "--model", tiny_model_dir, "--dataset", user_files / "chat.jsonl", "--reward-fn",
+                      f"{user_files / 'my_rewards.py'}:length", "--num-eval-prompts", "6", "--max-new-tokens", "4",
+                      *TINY, "--output-dir", tmp_path / "run")
     assert result.returncode == 0, result.stderr[-3000:]
     samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
     assert [s["iteration"] for s in samples] == [0] * 6 + [1] * 6 + [2] * 6
@@ -120,10 +120,10 @@ def test_each_evaluation_writes_its_completions_and_prints_three(script, tmp_pat
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_model_folder_chat_dataset_and_reward_file_reading_a_column(script, tmp_path, tiny_model_dir, user_files):
     rewards = user_files / "my_rewards.py"
-    result = run_script(script, "--model", tiny_model_dir, "--dataset", user_files / "chat.jsonl",
-                        "--reward-fn", f"{rewards}:uses_answer", f"{rewards}:length",
-                        "--reward-weights", "1.0", "0.5", "--max-new-tokens", "4", "--learning-rate", "1e-3", *TINY,
-                        "--output-dir", tmp_path / "run")
+    result = run_main(script, "--model", tiny_model_dir, "--dataset", user_files / "chat.jsonl",
+                      "--reward-fn", f"{rewards}:uses_answer", f"{rewards}:length",
+                      "--reward-weights", "1.0", "0.5", "--max-new-tokens", "4", "--learning-rate", "1e-3", *TINY,
+                      "--output-dir", tmp_path / "run")
     assert result.returncode == 0, result.stderr[-3000:]
     rows = read_metrics(tmp_path / "run")
     assert rows[-1]["episode"] == 32 and "eval/scores" in rows[-1]
@@ -132,9 +132,9 @@ def test_model_folder_chat_dataset_and_reward_file_reading_a_column(script, tmp_
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_prompt_fn_module_and_stop_strings(script, tmp_path, user_files):
-    result = run_script(script, "--prompt-fn", "my_prompts:digits", "--reward-fn", "my_rewards:stop_check",
-                        "--stop-strings", "+", "--max-new-tokens", "12", *TINY, "--output-dir", tmp_path / "run",
-                        cwd=user_files)
+    result = run_main(script, "--prompt-fn", "my_prompts:digits", "--reward-fn", "my_rewards:stop_check",
+                      "--stop-strings", "+", "--max-new-tokens", "12", *TINY, "--output-dir", tmp_path / "run",
+                      cwd=user_files)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = read_metrics(tmp_path / "run")
     assert rows[-1]["episode"] == 32

@@ -111,8 +111,8 @@ def test_a_step_with_no_reference_copy_trains_only_the_adapters_and_the_head(alg
 def test_a_lora_run_saves_the_merged_model_and_the_adapter_which_give_the_same_logits(script, tmp_path,
                                                                                       tiny_model_dir):
     out = tmp_path / "run"
-    result = run_script(script, *TINY, "--model", tiny_model_dir, "--learning-rate", "1e-2", "--lora-r", "4",
-                        "--output-dir", out)
+    result = run_main(script, *TINY, "--model", tiny_model_dir, "--learning-rate", "1e-2", "--lora-r", "4",
+                      "--output-dir", out)
     assert result.returncode == 0, result.stderr[-3000:]
     assert_merged_is_base_plus_adapter(out / "model", tiny_model_dir, out / "adapter")
 
@@ -206,8 +206,8 @@ def test_gradient_checkpointing_is_on_for_a_model_loaded_in_eval_mode(tiny_model
 
 @pytest.mark.parametrize("script", ["ppo.py", "rloo.py"])
 def test_a_run_with_lora_and_gradient_checkpointing(script, tmp_path, tiny_model_dir):
-    result = run_script(script, *TINY, "--model", tiny_model_dir, "--lora-r", "4", "--gradient-checkpointing",
-                        "--output-dir", tmp_path / "run")
+    result = run_main(script, *TINY, "--model", tiny_model_dir, "--lora-r", "4", "--gradient-checkpointing",
+                      "--output-dir", tmp_path / "run")
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").exists()
 

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForTokenClassification
 
 import stepwise_prm as prm
-from conftest import assert_merged_is_base_plus_adapter, assert_one_line_error, run_script
+from conftest import assert_merged_is_base_plus_adapter, assert_one_line_error, run_main, run_script
 
 TINY = ["--num-train-rows", "200", "--num-eval-rows", "40", "--best-of-n", "4", "--warmup-steps", "10",
         "--total-steps", "4", "--batch-size", "16", "--eval-every", "2"]
@@ -90,9 +90,9 @@ def test_gradient_checkpointing_changes_no_run_of_a_pretrained_model(tmp_path, t
     losses = []
     for flags in ([], ["--gradient-checkpointing"]):
         out = tmp_path / f"run{len(flags)}"
-        result = run_script("stepwise_prm.py", "--model", tiny_model_dir, "--num-train-rows", "200", "--num-eval-rows",
-                            "40", "--best-of-n", "0", "--total-steps", "3", "--batch-size", "16", "--learning-rate",
-                            "1e-2", *flags, "--output-dir", out)
+        result = run_main("stepwise_prm.py", "--model", tiny_model_dir, "--num-train-rows", "200", "--num-eval-rows",
+                          "40", "--best-of-n", "0", "--total-steps", "3", "--batch-size", "16", "--learning-rate",
+                          "1e-2", *flags, "--output-dir", out)
         assert result.returncode == 0, result.stderr[-3000:]
         rows = (out / "metrics.jsonl").read_text().splitlines()
         losses.append([json.loads(row).get("train/loss", 0.0) for row in rows])
@@ -148,6 +148,6 @@ def test_a_lora_run_resumes_exactly(lora_run, tmp_path):
 ])
 def test_bad_lora_flags_stop_with_one_line(args, flag, words, tmp_path):
     """Before the built-in model's warm start (1,500 steps by default), not after it."""
-    result = run_script("stepwise_prm.py", *TINY, *args, "--output-dir", tmp_path / "run")
+    result = run_main("stepwise_prm.py", *TINY, *args, "--output-dir", tmp_path / "run")
     assert_one_line_error(result, flag, *words)
     assert not (tmp_path / "run" / "warmup_lm").exists()

@@ -58,8 +58,8 @@ def test_every_script_takes_weight_decay_and_anneals_every_group(script, tmp_pat
     """The checkpoint's optimizer: no decay by default (torch's AdamW alone would decay every weight at 0.01); with
     --weight-decay 0.1 a decayed group and one of biases and normalisation weights, both at the annealed rate."""
     for flags, out in (([], tmp_path / "default"), (["--weight-decay", "0.1"], tmp_path / "decay")):
-        result = run_script(script, *RUNS[script], *flags, "--save-every", "2", "--eval-every", "2",
-                            "--output-dir", out)
+        result = run_main(script, *RUNS[script], *flags, "--save-every", "2", "--eval-every", "2",
+                          "--output-dir", out)
         assert result.returncode == 0, result.stderr[-3000:]
         state = torch.load(out / "checkpoints" / "iter_000002" / "state.pt", weights_only=True)
         groups = state["optimizers"]["sft"] if script == "interleave.py" else state["optimizer"]
