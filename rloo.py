@@ -1060,7 +1060,7 @@ def pack_segments(model, queries: torch.Tensor, query_mask: torch.Tensor, respon
         return len(widths) * W * (per_position + W), W, len(widths), base
 
     widths = [width] if width else {max(lengths) * (8 + i) // 8 for i in range(17)}  # 1 to 3 times the longest
-    _, W, rows, base = min(first_fit(w) for w in widths)
+    _, W, rows, base = min(first_fit(w) for w in widths if w >= max(lengths))  # no segment spills over
     base, t = torch.tensor(base, device=device), torch.arange(max(Lq, T, B), device=device)  # base [P]
     q_pos = t[:Lq] - (Lq - n_q)[:, None]  # [P, Lq] the prompts' position ids (negative on padding)
     r_pos = n_q.repeat_interleave(k)[:, None] + t[:T]  # [B, T] the responses', going on from the prompt's end

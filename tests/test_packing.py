@@ -271,3 +271,14 @@ def test_an_update_on_packed_sequences_equals_the_padded_update(script, settings
     for key, value in padded_metrics.items():  # a clip fraction counts ties (a value at its old one) broken by noise
         assert packed_metrics[key] == pytest.approx(value, rel=1e-4, abs=0.05 if "clipfrac" in key else 1e-5), key
     assert max((a - b).abs().max().item() for a, b in zip(packed_weights, padded_weights)) < 1e-5
+
+
+def test_a_width_narrower_than_the_longest_segment_is_refused():
+    """A segment never spills into the next row: without the check, a width of 4 for a group of 5 tokens wrote its
+    last token over the next group's prompt ([[7, 8, 12, 13], [14, 15, 16, 0]]), with no error."""
+    model = ppo.build_tiny_model(ppo.build_tokenizer())
+    queries, responses = torch.tensor([[7, 8], [0, 9]]), torch.tensor([[12, 13], [14, 0], [15, 0], [16, 0]])
+    with pytest.raises(ValueError):
+        ppo.pack_segments(model, queries, queries != 0, responses, responses != 0, width=4)
+    inputs, _ = ppo.pack_segments(model, queries, queries != 0, responses, responses != 0, width=5)
+    assert inputs["input_ids"].tolist() == [[7, 8, 12, 13, 14], [9, 15, 16, 0, 0]]
