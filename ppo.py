@@ -889,6 +889,8 @@ def packed_inputs(model, queries: torch.Tensor, query_mask: torch.Tensor, respon
     pack_segments' rows if a sequence packed after another group and a sibling response gets the decoder output of its
     own forward where scored (checked once per model, agreed by all processes), else padded rows, prompts k times."""
     (P, Lq), (B, T), device = queries.shape, responses.shape, queries.device
+    if not query_mask.any(1).all():  # a response's first token is scored at its prompt's last
+        raise ValueError("a query has no tokens: the first token of its responses has no position to be scored at")
     checked = model.__dict__.setdefault("checks", {})  # "packs", "head": each check passed on every process
     if "packs" not in checked:
         seq = torch.cat([queries[query_mask.bool()], responses[valid]]).repeat(16)[None, :16]  # [1, 16]
@@ -1298,6 +1300,9 @@ def rollout(policy, tokenizer, rows: list[dict], gen: GenerationConfig, stop_str
     logprobs or None, scores, ended, prompts, texts, a PRM's step scores or None, and decode_live_frac."""
     prompts = [r["prompt"] for r in rows]
     ids = [render_prompt(tokenizer, p) for p in prompts]
+    if not min(map(len, ids)):
+        fail("--prompt-fn" if task.args.prompt_fn else "--dataset", prompts[[len(i) for i in ids].index(0)], "this "
+             "prompt has no tokens (the tokenizer adds none to an empty text); give every prompt some text")
     if max(map(len, ids)) + gen.max_new_tokens > task.context:
         fail("--max-new-tokens", gen.max_new_tokens, f"a prompt of {max(map(len, ids))} tokens plus the new tokens "
              f"exceeds the model's context of {task.context}; shorten the prompts or lower --max-new-tokens")

@@ -232,6 +232,21 @@ def test_bad_input_runs_in_a_process_and_in_this_one_alike(script, args, user_fi
     assert "Traceback" not in alone.stderr + here.stderr
 
 
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_prompt_of_no_tokens_is_one_line(script, user_files):
+    """With a tokenizer that adds no BOS (Qwen's), an empty prompt has no tokens, and its responses' first token no
+    position to be scored at (the packed row scored it at the group before it): refused, where it comes from."""
+    import ppo
+    tokenizer = ppo.build_tokenizer()
+    tokenizer.backend_tokenizer.post_processor = None  # no BOS
+    tokenizer.save_pretrained(user_files / "no_bos")
+    ppo.build_tiny_model(tokenizer).save_pretrained(user_files / "no_bos")
+    (user_files / "empty.jsonl").write_text('{"prompt": "1+2="}\n{"prompt": ""}\n')
+    result = run_main(script, *TINY, "--model", "no_bos", "--dataset", "empty.jsonl", "--reward-fn",
+                      "my_prompts:exact", "--output-dir", user_files / "run", cwd=user_files)
+    assert_one_line_error(result, "--dataset", "''", "no tokens")
+
+
 def test_rloo_needs_two_samples_per_prompt(tmp_path):
     result = run_main("rloo.py", *TINY, "--rloo-k", "1", "--output-dir", tmp_path)
     assert_one_line_error(result, "--rloo-k", "at least 2")

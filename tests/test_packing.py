@@ -273,6 +273,16 @@ def test_an_update_on_packed_sequences_equals_the_padded_update(script, settings
     assert max((a - b).abs().max().item() for a, b in zip(packed_weights, padded_weights)) < 1e-5
 
 
+def test_a_query_with_no_tokens_is_refused():
+    """A response's first token is scored at its prompt's last: a query of no tokens has none, and the packed row
+    scored it at the last token of the group packed before it (its logprobs moved with that group's tokens)."""
+    model = ppo.build_tiny_model(ppo.build_tokenizer())
+    queries, responses = torch.tensor([[5, 6, 7], [0, 0, 0]]), torch.tensor([[8, 9], [10, 11], [12, 13], [14, 15]])
+    for module in (ppo, rloo):
+        with pytest.raises(ValueError, match="no tokens"):
+            module.response_logprobs(model, queries, queries != 0, responses, responses != 0, 1.0)
+
+
 def test_a_width_narrower_than_the_longest_segment_is_refused():
     """A segment never spills into the next row: without the check, a width of 4 for a group of 5 tokens wrote its
     last token over the next group's prompt ([[7, 8, 12, 13], [14, 15, 16, 0]]), with no error."""
