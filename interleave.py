@@ -282,7 +282,7 @@ def main(args: Args) -> None:
         args.output_dir = str(Path(args.resume).parent.parent)
     run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
     output_dir = Path(args.output_dir or f"runs/{run_name}")
-    ckpt = ppo.find_checkpoint(args.resume, output_dir) if args.resume else None
+    ckpt = ppo.find_checkpoint(args.resume, output_dir)
 
     # ---- models: the shared policy, its frozen reference, a value model for PPO, a PRM beside them; each phase's data
     random.seed(args.seed)
@@ -331,7 +331,8 @@ def main(args: Args) -> None:
         for p, opt in optimizers.items():
             ppo.load_optimizer_state(opt, state["optimizers"][p])
         ppo.rng_states(state["rng"][rank % len(state["rng"])])
-        start, elapsed, sched, failures = state["step"] + 1, state["elapsed"], state["schedule"], state["failures"]
+        start, elapsed, sched = state["step"] + 1, state["elapsed"], state["schedule"]
+        failures = state["failures"][rank % len(state["failures"])]  # this process's own
         data, recent, run_name = state["data"], state["recent"], state["run_name"]
     metrics_path, run = ppo.open_run(args, output_dir, start, run_name) if rank == 0 else (None, None)
     samplers = {p: ppo.generation_configs(args.gen, tokenizer, hp.temperature, hp.top_k, hp.top_p, hp.min_p)[0]
@@ -385,11 +386,11 @@ def main(args: Args) -> None:
         progress.set_postfix(phase=phase, acc=f"{recent['task/accuracy']:.3f}")  # the last evaluation's
         # 8. Checkpoint: models, optimizers, random states, schedule state, failures and data positions.
         if args.save_every and step % args.save_every == 0:
-            rngs = [ppo.rng_states()] * world
+            mine = [(ppo.rng_states(), failures)] * world  # every process's random states and failures
             if world > 1:
-                torch.distributed.all_gather_object(rngs, ppo.rng_states())
-            state = {"step": step, "elapsed": time.time() - t0, "schedule": sched, "failures": failures,
-                     "data": data, "recent": recent, "run_name": run_name, "rng": rngs,
+                torch.distributed.all_gather_object(mine, mine[0])
+            state = {"step": step, "elapsed": time.time() - t0, "schedule": sched, "failures": [f for _, f in mine],
+                     "data": data, "recent": recent, "run_name": run_name, "rng": [r for r, _ in mine],
                      "optimizers": {p: ppo.optimizer_state(opt) for p, opt in optimizers.items()}}
             weights = {name: ppo.full_state_dict(model) for name, model in models.items()}
             if rank == 0:

@@ -1591,7 +1591,7 @@ def plan_run(args) -> tuple[int, Path, str, Path | None]:
         args.output_dir = str(Path(args.resume).parent.parent)
     run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
     output_dir = Path(args.output_dir or f"runs/{run_name}")
-    return num_iterations, output_dir, run_name, find_checkpoint(args.resume, output_dir) if args.resume else None
+    return num_iterations, output_dir, run_name, find_checkpoint(args.resume, output_dir)
 
 
 def resume_state(ckpt: Path | None, optimizer, seed: int, rank: int, run_name: str) -> tuple[dict, int]:
@@ -1687,10 +1687,15 @@ def save_checkpoint(folder: Path, models: dict, weights: dict, tokenizer, state:
         shutil.rmtree(old)
 
 
-def find_checkpoint(resume: str, output_dir: Path) -> Path:
-    """The checkpoint folder that --resume names ('latest': the newest complete one in --output-dir)."""
+def find_checkpoint(resume: str | None, output_dir: Path) -> Path | None:
+    """The checkpoint folder that --resume names ('latest': the newest complete one in --output-dir), or None (new)."""
+    found = sorted(p for p in (output_dir / "checkpoints").glob("iter_*[0-9]") if (p / "state.pt").exists())
+    if resume is None and found:  # its checkpoints would be pruned among the old run's, and 'latest' be theirs
+        fail("--output-dir", str(output_dir), f"it holds another run's checkpoints ({found[-1].name}); add --resume "
+             "latest to go on with that run, or give a new folder")
+    if resume is None:
+        return None
     if resume == "latest":
-        found = sorted(p for p in (output_dir / "checkpoints").glob("iter_*[0-9]") if (p / "state.pt").exists())
         if not found:
             fail("--resume", resume, f"no complete checkpoint in {output_dir / 'checkpoints'}; check --output-dir")
         return found[-1]

@@ -294,7 +294,7 @@ def main(args: Args) -> None:
         args.output_dir = str(Path(args.resume).parent.parent)
     run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
     output_dir = Path(args.output_dir or f"runs/{run_name}")
-    ckpt = find_checkpoint(args.resume, output_dir) if args.resume else None
+    ckpt = find_checkpoint(args.resume, output_dir)
 
     # ---- tokenizer, model (the built-in one a causal LM until step 6; the same weights in every process), data
     random.seed(args.seed)
@@ -349,7 +349,12 @@ def main(args: Args) -> None:
              "data_state": {"epoch": 0, "batches": []}}  # data_state: the position in the data (next_batch)
     if ckpt is not None:
         state = load_state(ckpt)
-        optimizer.load_state_dict(state.pop("optimizer"))
+        decay, saved = optimizer.param_groups[0]["weight_decay"], state.pop("optimizer")
+        if len(saved["param_groups"]) != len(optimizer.param_groups):  # decay on: two groups; off: one
+            fail("--weight-decay", decay, f"the checkpoint's optimizer has {len(saved['param_groups'])} parameter "
+                 f"group(s), weight decay {'off' if decay else 'on'}: resume with {'0' if decay else 'one > 0'}")
+        optimizer.load_state_dict(saved)
+        optimizer.param_groups[0]["weight_decay"] = decay  # the run's, not the checkpoint's
         rngs = state.pop("rng")
         rng_states(rngs[rank % len(rngs)])
     start = state["iteration"] + 1
@@ -642,7 +647,7 @@ def length_grouped_batches(lengths: list[int], batch_size: int, seed: int) -> li
 def next_batch(lengths: list[int], state: dict, batch_size: int, seed: int) -> list[int]:
     """Row indices of the next batch. `state` (the epoch and its batches still to come) is all the position there
     is, and goes into checkpoints."""
-    if not state["batches"]:
+    if not state["batches"] or len(state["batches"][-1]) != batch_size:  # a resume may change --batch-size
         state["batches"] = length_grouped_batches(lengths, batch_size, seed + state["epoch"])
         state["epoch"] += 1
     return state["batches"].pop()
@@ -822,10 +827,15 @@ def save_checkpoint(folder: Path, models: dict, weights: dict, tokenizer, state:
         shutil.rmtree(old)
 
 
-def find_checkpoint(resume: str, output_dir: Path) -> Path:
-    """The checkpoint folder that --resume names ('latest': the newest complete one in --output-dir)."""
+def find_checkpoint(resume: str | None, output_dir: Path) -> Path | None:
+    """The checkpoint folder that --resume names ('latest': the newest complete one in --output-dir), or None (new)."""
+    found = sorted(p for p in (output_dir / "checkpoints").glob("iter_*[0-9]") if (p / "state.pt").exists())
+    if resume is None and found:  # its checkpoints would be pruned among the old run's, and 'latest' be theirs
+        fail("--output-dir", str(output_dir), f"it holds another run's checkpoints ({found[-1].name}); add --resume "
+             "latest to go on with that run, or give a new folder")
+    if resume is None:
+        return None
     if resume == "latest":
-        found = sorted(p for p in (output_dir / "checkpoints").glob("iter_*[0-9]") if (p / "state.pt").exists())
         if not found:
             fail("--resume", resume, f"no complete checkpoint in {output_dir / 'checkpoints'}; check --output-dir")
         return found[-1]

@@ -232,6 +232,16 @@ def test_bad_input_runs_in_a_process_and_in_this_one_alike(script, args, user_fi
     assert "Traceback" not in alone.stderr + here.stderr
 
 
+@pytest.mark.parametrize("script", [*SCRIPTS, "stepwise_prm.py", "interleave.py"])
+def test_a_new_run_into_a_folder_holding_checkpoints_is_refused(script, tmp_path):
+    """A new run in another run's folder pruned its own checkpoints among the old run's (keeping the old ones, of
+    higher iterations), and a later --resume latest took the old run's: refused, with the way to go on."""
+    (tmp_path / "run" / "checkpoints" / "iter_000004").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoints" / "iter_000004" / "state.pt").write_bytes(b"")
+    result = run_main(script, "--output-dir", tmp_path / "run")
+    assert_one_line_error(result, "--output-dir", "iter_000004", "--resume latest")
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_a_prompt_of_no_tokens_is_one_line(script, user_files):
     """With a tokenizer that adds no BOS (Qwen's), an empty prompt has no tokens, and its responses' first token no

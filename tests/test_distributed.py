@@ -41,7 +41,8 @@ def rows_of(run_dir):
                                            ("ppo.py", ["--fsdp", "--lora-r", "4"]),
                                            ("rloo.py", []),
                                            ("rloo.py", ["--fsdp"]), ("interleave.py", ["--phases", "sft", "ppo"]),
-                                           ("interleave.py", ["--fsdp"]), ("stepwise_prm.py", [])])
+                                           ("interleave.py", ["rl-with-sft-on-failures", "--fsdp"]),
+                                           ("stepwise_prm.py", [])])
 def test_script_under_torchrun(script, extra, tmp_path):
     result = run_script(script, *TINY[script], *extra, "--save-every", "2", "--output-dir", tmp_path / "run",
                         launcher=TORCHRUN)
@@ -54,6 +55,9 @@ def test_script_under_torchrun(script, extra, tmp_path):
         assert [s["prompt"] for s in first] == [r["prompt"] for r in ppo.addition_eval_rows()]
     state = torch.load(tmp_path / "run" / "checkpoints" / "iter_000004" / "state.pt", weights_only=False)
     assert len(state["rng"]) == 2  # every process's random state, for an exact resume
+    if "rl-with-sft-on-failures" in extra:  # and each process's own failures (rank 0's alone were kept)
+        assert [type(f) for f in state["failures"]] == [list, list] and all(state["failures"])
+        assert state["failures"][0] != state["failures"][1]
     auto = ppo.AutoModelForTokenClassification if script == "stepwise_prm.py" else ppo.AutoModelForCausalLM
     model = auto.from_pretrained(tmp_path / "run" / "model")  # gathered whole on rank 0
     assert model.config.architectures[0].startswith("Llama")

@@ -154,6 +154,15 @@ def test_length_grouped_batches_cover_an_epoch_with_little_padding():
     assert sorted(map(tuple, drawn[:50])) == sorted(map(tuple, batches)) and state["epoch"] == 2
 
 
+def test_a_resume_with_another_batch_size_draws_batches_of_that_size():
+    """A checkpoint keeps the rest of its epoch's batches, cut at the size it was run with: resumed with another
+    --batch-size, those batches trained instead (8 rows a step where 32 were asked for), silently, to its end."""
+    lengths = [random.Random(i).randint(5, 60) for i in range(1000)]
+    state = {"epoch": 0, "batches": []}
+    prm.next_batch(lengths, state, 8, seed=0)
+    assert [len(prm.next_batch(lengths, state, n, seed=0)) for n in (32, 32, 4)] == [32, 32, 4]
+
+
 def test_first_true():
     mask = torch.tensor([[0, 1, 1], [0, 0, 0], [1, 0, 0]]).bool()
     assert prm.first_true(mask).tolist() == [1, 3, 0]

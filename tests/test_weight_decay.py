@@ -89,15 +89,17 @@ def test_a_run_with_weight_decay_resumes_exactly(script, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_a_resume_takes_the_new_weight_decay_and_refuses_turning_it_on_or_off(tmp_path):
+@pytest.mark.parametrize("script", ["ppo.py", "stepwise_prm.py"])
+def test_a_resume_takes_the_new_weight_decay_and_refuses_turning_it_on_or_off(script, tmp_path):
     """optimizer.load_state_dict brings the checkpoint's weight decay back: resumed with another --weight-decay, a run
     went on with the old one, silently; resumed with it turned off (one parameter group for two), it stopped with a
     traceback. Now the new value trains, and turning decay on or off is refused in one line."""
-    args = [*RUNS["ppo.py"], "--save-every", "1", "--eval-every", "100", "--output-dir", tmp_path / "run"]
-    assert run_script("ppo.py", *args, "--weight-decay", "0.1").returncode == 0
-    resumed = run_script("ppo.py", *args, "--weight-decay", "0.3", "--total-episodes", "48", "--resume", "latest")
+    args = [*RUNS[script], "--save-every", "1", "--eval-every", "100", "--output-dir", tmp_path / "run"]
+    longer = lambda n: ["--total-steps", str(n)] if "prm" in script else ["--total-episodes", str(16 * n)]  # noqa: E731
+    assert run_script(script, *args, "--weight-decay", "0.1").returncode == 0
+    resumed = run_script(script, *args, "--weight-decay", "0.3", *longer(3), "--resume", "latest")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     state = torch.load(tmp_path / "run" / "checkpoints" / "iter_000003" / "state.pt", weights_only=True)
     assert [g["weight_decay"] for g in state["optimizer"]["param_groups"]] == [0.3, 0.0]
-    result = run_main("ppo.py", *args, "--weight-decay", "0", "--total-episodes", "64", "--resume", "latest")
+    result = run_main(script, *args, "--weight-decay", "0", *longer(4), "--resume", "latest")
     assert_one_line_error(result, "--weight-decay", "2 parameter group(s), weight decay on", "resume with one > 0")
