@@ -133,6 +133,23 @@ def test_sampling_matches_generate_with_top_k_and_repetition_penalty():
     assert (ours[:, 0].unique().numel()) <= 5  # top-k: the first token is one of the 5 likeliest
 
 
+def test_the_repetition_penalty_leaves_left_padding_out():
+    """generate leaves each row's left padding out of the tokens its repetition penalty counts. Pad is often EOS (a
+    tokenizer without a pad token), and counting it held back the EOS of every prompt shorter than the longest in its
+    batch: a row's samples and sampler logprobs moved with the other prompts' lengths."""
+    tokenizer = ppo.build_tokenizer()
+    model, E = ppo.build_tiny_model(tokenizer), tokenizer.eos_token_id
+    gen = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, repetition_penalty=1.5,
+                           max_new_tokens=1, pad_token_id=E, eos_token_id=E)
+    out = []
+    for rows in (["3+4="], ["3+4=", "3+4=5+6=7"]):
+        queries = ppo.left_pad([tokenizer(r).input_ids for r in rows], E)
+        torch.manual_seed(0)
+        out.append(ppo.decode_loop(model, queries, ((queries != E).cumsum(1) > 0).long(), gen))
+    assert torch.equal(out[0][0][0], out[1][0][0])
+    assert out[0][1][0].item() == pytest.approx(out[1][1][0].item(), abs=1e-5)
+
+
 def test_sampling_settings_hold_on_the_builtin_model():
     tokenizer = ppo.build_tokenizer()
     model = ppo.build_tiny_model(tokenizer)
