@@ -151,10 +151,10 @@ def test_nonfinite_loss_stops_with_the_last_checkpoint_kept(script, tmp_path):
     assert "last good checkpoint" in line
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["iter_000002"]
     assert [r["iteration"] for r in rows_of(tmp_path / "run")] == [0, 1, 2, 3]
-    # asked to skip such batches, the run goes on and counts them
-    result = run_main(script, *args, "--skip-nonfinite")
+    # asked to skip such batches, a new run goes on and counts them
+    result = run_main(script, *args, "--skip-nonfinite", "--output-dir", tmp_path / "skip")
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = rows_of(tmp_path / "run")
+    rows = rows_of(tmp_path / "skip")
     assert rows[-1]["iteration"] == 4 and rows[-1]["loss/nonfinite_skipped"] > 0
 
 
