@@ -1301,8 +1301,8 @@ def rollout(policy, tokenizer, rows: list[dict], gen: GenerationConfig, stop_str
     prompts = [r["prompt"] for r in rows]
     ids = [render_prompt(tokenizer, p) for p in prompts]
     if not min(map(len, ids)):
-        fail("--prompt-fn" if task.args.prompt_fn else "--dataset", prompts[[len(i) for i in ids].index(0)], "this "
-             "prompt has no tokens (the tokenizer adds none to an empty text); give every prompt some text")
+        fail("--prompt-fn" if task.args.prompt_fn else "--dataset", prompts[[len(i) for i in ids].index(0)],
+             "this prompt has no tokens (the tokenizer adds none to an empty text); give every prompt some text")
     if max(map(len, ids)) + gen.max_new_tokens > task.context:
         fail("--max-new-tokens", gen.max_new_tokens, f"a prompt of {max(map(len, ids))} tokens plus the new tokens "
              f"exceeds the model's context of {task.context}; shorten the prompts or lower --max-new-tokens")
