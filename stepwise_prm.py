@@ -41,6 +41,7 @@ import torch
 import tyro
 from safetensors.torch import load_file
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from torch.distributed.tensor import distribute_tensor
 from tqdm import tqdm
 from transformers import (
     AutoModelForCausalLM,
@@ -349,12 +350,7 @@ def main(args: Args) -> None:
              "data_state": {"epoch": 0, "batches": []}}  # data_state: the position in the data (next_batch)
     if ckpt is not None:
         state = load_state(ckpt)
-        decay, saved = optimizer.param_groups[0]["weight_decay"], state.pop("optimizer")
-        if len(saved["param_groups"]) != len(optimizer.param_groups):  # decay on: two groups; off: one
-            fail("--weight-decay", decay, f"the checkpoint's optimizer has {len(saved['param_groups'])} parameter "
-                 f"group(s), weight decay {'off' if decay else 'on'}: resume with {'0' if decay else 'one > 0'}")
-        optimizer.load_state_dict(saved)
-        optimizer.param_groups[0]["weight_decay"] = decay  # the run's, not the checkpoint's
+        load_optimizer_state(optimizer, state.pop("optimizer"))
         rngs = state.pop("rng")
         rng_states(rngs[rank % len(rngs)])
     start = state["iteration"] + 1
@@ -842,6 +838,21 @@ def find_checkpoint(resume: str | None, output_dir: Path) -> Path | None:
     if not (Path(resume) / "state.pt").exists():
         fail("--resume", resume, "not a checkpoint folder (no state.pt); give .../checkpoints/iter_NNNNNN or 'latest'")
     return Path(resume)
+
+
+def load_optimizer_state(optimizer, state: dict) -> None:
+    """Restore what optimizer_state saved, sharding each tensor like its parameter; the run's weight decay kept (a
+    decay on or off makes two parameter groups or one: the checkpoint's way is kept, else the run stops)."""
+    params, decay = [p for g in optimizer.param_groups for p in g["params"]], optimizer.param_groups[0]["weight_decay"]
+    if len(state["param_groups"]) != len(optimizer.param_groups):
+        fail("--weight-decay", decay, f"the checkpoint's optimizer has {len(state['param_groups'])} parameter "
+             f"group(s), weight decay {'off' if decay else 'on'}: resume with {'0' if decay else 'one > 0'}")
+    for i, s in state["state"].items():
+        if hasattr(params[i], "device_mesh"):
+            state["state"][i] = {k: distribute_tensor(v, params[i].device_mesh, params[i].placements) if v.dim()
+                                 else v for k, v in s.items()}
+    optimizer.load_state_dict(state)
+    optimizer.param_groups[0]["weight_decay"] = decay  # the state's groups hold the checkpoint's values
 
 
 def load_state(folder: Path) -> dict:
