@@ -19,11 +19,13 @@ grpo-real is benchmarks/real_model.py --vs-trl's TRL side: TRL's GRPOTrainer on 
 and test splits, reward.py) with `rloo.py grpo`'s settings, evaluated by ppo.py's own `evaluate` (greedy, the 200
 held-out sums) before training and every EVAL_EVERY steps, writing OUT/metrics.jsonl rows as our scripts write them.
 
-    benchmarks/.trl116-venv/bin/python benchmarks/trl_side.py grpo-gym EPISODES MODEL_FOLDER TASK_FOLDER OUT N_EVERY N
+    benchmarks/.trl116-venv/bin/python benchmarks/trl_side.py grpo-gym EPISODES MODEL_FOLDER TASK_FOLDER OUT N_EVERY N \
+        [--save-every S]
 
 grpo-gym is the same for docs/custom.md's reasoning-gym run: a folder written by examples/reasoning_gym.py, its reward
 `score`, up to 256 new tokens, N held-out rows evaluated every N_EVERY steps, a step's 32 completions in micro-batches
-of 8 (at 32, TRL's logits over 49,152 tokens went past this machine's 24 GiB and the process was killed).
+of 8 (at 32, TRL's logits over 49,152 tokens went past this machine's 24 GiB and the process was killed). With
+--save-every S, TRL writes a checkpoint into OUT/trl every S steps, and the same command run again goes on from it.
 
     benchmarks/.trl116-venv/bin/python benchmarks/trl_side.py grpo-lengths EPISODES MODEL_FOLDER TASK_FOLDER OUT N
     benchmarks/.trl-venv/bin/python benchmarks/trl_side.py ppo-lengths EPISODES MODEL_FOLDER TASK_FOLDER OUT N
@@ -132,12 +134,15 @@ def learn(episodes: int, folder: Path, seed: int) -> None:
     print(json.dumps({"accuracy": sum(s == 1.0 for s in scores) / len(rows), "seconds": seconds}))
 
 
-def grpo_config(out: Path, episodes: int, completion_tokens: int, micro: int = 32):
+def grpo_config(out: Path, episodes: int, completion_tokens: int, micro: int = 32, save_every: int = 0):
     """GRPOConfig with rloo.py grpo's settings (grpo_real's docstring lists them) for `episodes` completions, 32 a step
-    in micro-batches of `micro` (gradients accumulated: the same update, in less memory)."""
+    in micro-batches of `micro` (gradients accumulated: the same update, in less memory); a checkpoint in OUT/trl every
+    `save_every` steps, the newest kept (0: none)."""
     from trl import GRPOConfig
 
-    return GRPOConfig(output_dir=str(out / "trl"), report_to=[], logging_steps=10**6, save_strategy="no", use_cpu=True,
+    saving = dict(save_strategy="steps", save_steps=save_every, save_total_limit=1) if save_every else dict(
+        save_strategy="no")
+    return GRPOConfig(output_dir=str(out / "trl"), report_to=[], logging_steps=10**6, use_cpu=True, **saving,
                       seed=1, dataloader_num_workers=0, disable_tqdm=True, bf16=False, gradient_checkpointing=False,
                       per_device_train_batch_size=micro, gradient_accumulation_steps=32 // micro, num_generations=4,
                       max_completion_length=completion_tokens, temperature=1.0, top_p=1.0, learning_rate=2e-5,
@@ -171,14 +176,21 @@ def grpo_real(episodes: int, model: Path, data: Path, out: Path, eval_every: int
     task = ppo.load_task(task_args, eval_tokenizer, 10**9, completion_tokens)
     greedy = ppo.generation_configs(ppo.GenArgs(max_new_tokens=completion_tokens), eval_tokenizer, 1.0)[1]
     out.mkdir(parents=True, exist_ok=True)
+    save_every = int(sys.argv[sys.argv.index("--save-every") + 1]) if "--save-every" in sys.argv else 0
+    resume = save_every > 0 and any((out / "trl").glob("checkpoint-*"))  # on from TRL's newest checkpoint
+    rows = (out / "metrics.jsonl").read_text().splitlines() if resume else []
     log = (out / "metrics.jsonl").open("w")
 
     class Evaluate(TrainerCallback):
-        """A metrics row per step; ppo.py's greedy evaluation at step 0, every eval_every steps and at the end."""
+        """A metrics row per step; ppo.py's greedy evaluation at step 0, every eval_every steps and at the end; resumed,
+        the rows up to the checkpoint's step kept and elapsed_s going on from there."""
 
         def on_train_begin(self, args, state, control, model=None, **kwargs):
-            self.row(0, model, state.max_steps)
-            self.start = time.perf_counter()
+            kept = [r for r in rows if json.loads(r)["iteration"] <= state.global_step]
+            log.writelines(r + "\n" for r in kept)
+            if not kept:
+                self.row(0, model, state.max_steps)
+            self.start = time.perf_counter() - (json.loads(kept[-1])["elapsed_s"] if kept else 0.0)
 
         def on_step_end(self, args, state, control, model=None, **kwargs):
             self.row(state.global_step, model, state.max_steps)
@@ -196,12 +208,13 @@ def grpo_real(episodes: int, model: Path, data: Path, out: Path, eval_every: int
             log.flush()
 
     ds = Dataset.from_json(str(data / "train.jsonl"))
-    config = grpo_config(out, episodes, completion_tokens, 32 if completion_tokens <= 16 else 8)
+    config = grpo_config(out, episodes, completion_tokens, 32 if completion_tokens <= 16 else 8, save_every)
     trainer = GRPOTrainer(model=str(model), reward_funcs=reward, args=config, train_dataset=ds,
                           processing_class=tokenizer, callbacks=[Evaluate()])
     ref = trainer.ref_model.dtype if trainer.ref_model is not None else None
-    print(f"TRL GRPOTrainer: policy {trainer.model.dtype}, reference {ref}, {config.max_steps} steps", flush=True)
-    trainer.train()
+    print(f"TRL GRPOTrainer: policy {trainer.model.dtype}, reference {ref}, {config.max_steps} steps"
+          + " (resumed)" * resume, flush=True)
+    trainer.train(resume_from_checkpoint=resume or None)
     log.close()
     print(f"rows in {out / 'metrics.jsonl'}")
 
