@@ -536,7 +536,7 @@ def main(args: Args) -> None:
             out = rollout(policy, tokenizer, rows, sample, gen.stop_strings, task)
         # 9. Update: the scores (with a PRM, per-token process rewards too) go into one ppo_step.
         rewards = token_rewards(out["scores"], out["masks"], out["process"], args.task.prm_weight)
-        check_scores_vary(rewards.view(len(rewards), -1).sum(1).to(device), spreads, args.model == "builtin", rank)
+        check_scores_vary(rewards.view(1, len(rewards), -1).sum(2).to(device), spreads, args.model == "builtin", rank)
         try:
             metrics = ppo_step(policy, value_model, ref_policy, optimizer, out["queries"], out["responses"], rewards,
                                out["masks"], hp=hp, pad_token_id=tokenizer.pad_token_id,
@@ -1173,15 +1173,18 @@ def stop_check(tokenizer, stop_strings: list[str]) -> Callable:
 
 
 def check_scores_vary(scores: torch.Tensor, spreads: list, builtin_model: bool, rank: int, first: int = 3) -> None:
-    """The spread of each of the first iterations' rewards [B] (scores and process rewards) over all processes; where
-    none varied, one line says so (rank 0): every advantage is 0, nothing is learnt (a reward that cannot fire)."""
+    """The largest spread within a group of each of the first iterations' rewards [groups, k] (scores and process
+    rewards; ppo.py: one group, the batch) over all processes; where none varied, one line says so (rank 0): every
+    advantage is 0, nothing is learnt (a reward that cannot fire, or that reads the prompt alone)."""
     if len(spreads) < first:
-        extremes = average_metrics({"r/max": scores.max().item(), "r/min": scores.min().item()}, scores.device)
-        spreads.append(extremes["r/max"] - extremes["r/min"])
+        x = average_metrics({"r/max": scores.max().item(), "r/min": scores.min().item(),  # over processes
+                             "r/spread/max": (scores.amax(1) - scores.amin(1)).max().item()}, scores.device)
+        spreads.append(x["r/max"] - x["r/min"] if len(scores) == 1 else x["r/spread/max"])  # one group: all processes'
         if len(spreads) == first and max(spreads) == 0 and rank == 0:
-            tqdm.write(f"warning: the rewards of {first} iterations never varied (the last's all {scores[0].item():g})"
-                       ": nothing to learn from; check that the reward can score what the model writes" + (" (the "
-                       "built-in model writes digits and +-*= only)" if builtin_model else ""))
+            same = f"all {scores[0, 0].item():g}" if bool((scores == scores[0, 0]).all()) else "equal within each group"
+            tqdm.write(f"warning: the rewards of {first} iterations never varied (the last's {same}): nothing to learn "
+                       "from; check that the reward can score what the model writes" + (" (the built-in model writes "
+                       "digits and +-*= only)" if builtin_model else ""))
 
 
 @functools.cache
@@ -1195,8 +1198,7 @@ def generate(policy, tokenizer, queries: torch.Tensor, gen: GenerationConfig, st
     """Responses to left-padded queries: cut_responses' triple, the sampler's logprobs [B, T] and the rows stepped, by
     decode_loop; a model whose forward takes no cache object by `generate` (said once; no logprobs)."""
     attention_mask = ((queries != tokenizer.pad_token_id).cumsum(1) > 0).long()  # left padding only
-    Lq = queries.shape[1]
-    stop = stop_check(tokenizer, stop_strings) if stop_strings else None
+    Lq, stop = queries.shape[1], stop_check(tokenizer, stop_strings) if stop_strings else None
     base = policy.get_base_model() if isinstance(policy, peft.PeftModel) else policy  # inside peft's wrapper
     if "cache" in inspect.signature(type(base).forward).parameters:  # a forward that takes a cache (transformers')
         out, logprobs, stepped = decode_loop(policy, queries, attention_mask, gen, stop)
@@ -1401,8 +1403,7 @@ def step_or_skip(optimizer, params: list, nonfinite: bool, max_grad_norm: float,
         flat = torch.cat([g.flatten() for g in grads])
         torch.distributed.all_reduce(flat)
         torch.nn.utils.vector_to_parameters(flat.div_(torch.distributed.get_world_size()), grads)  # slices of flat
-    if not nonfinite:
-        nonfinite = not torch.isfinite(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
+    nonfinite = nonfinite or not torch.isfinite(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
     if not nonfinite:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)

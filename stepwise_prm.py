@@ -709,8 +709,7 @@ def step_or_skip(optimizer, params: list, nonfinite: bool, max_grad_norm: float,
         flat = torch.cat([g.flatten() for g in grads])
         torch.distributed.all_reduce(flat)
         torch.nn.utils.vector_to_parameters(flat.div_(torch.distributed.get_world_size()), grads)  # slices of flat
-    if not nonfinite:
-        nonfinite = not torch.isfinite(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
+    nonfinite = nonfinite or not torch.isfinite(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
     if not nonfinite:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)

@@ -70,12 +70,16 @@ def score_yes(prompts, completions, **kwargs):
 
 def score_length(prompts, completions, **kwargs):
     return [float(len(c)) for c in completions]
+
+
+def score_answer(prompts, completions, answer, **kwargs):
+    return [float(a) for a in answer]
 """
 
 
 def test_the_run_folder_first_and_a_reward_that_never_varies_said_once(tmp_path):
     """The built-in model writes digits and +-*= only: a reward for 'yes' is 0 for every completion. The
-    configuration after the flags is the run's."""
+    configuration after the flags is the run's. A reward of the prompt alone never varies within a group."""
     (tmp_path / "rewards.py").write_text(REWARDS)
     result = run_main("rloo.py", *SHORT, "--reward-fn", f"{tmp_path / 'rewards.py'}:score_yes", "--output-dir",
                       tmp_path / "run", "grpo", cwd=tmp_path)
@@ -89,6 +93,11 @@ def test_the_run_folder_first_and_a_reward_that_never_varies_said_once(tmp_path)
                       tmp_path / "varies", cwd=tmp_path)
     assert result.returncode == 0 and "never varied" not in result.stdout
     assert result.stdout.index(f"run folder: {tmp_path / 'varies'}") < result.stdout.index("iteration 0")
+    result = run_main("rloo.py", *SHORT, "--reward-fn", f"{tmp_path / 'rewards.py'}:score_answer", "--output-dir",
+                      tmp_path / "prompt-only", cwd=tmp_path)  # varies over prompts, never within a group: no signal
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("warning: the rewards of 3 iterations never varied (the last's equal within each "
+                               "group): nothing to learn from") == 1
 
 
 def test_a_reward_with_the_wrong_signature_is_told_the_right_one(tmp_path):
