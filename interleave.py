@@ -280,7 +280,10 @@ def main(args: Args) -> None:
     args.rloo.hp.max_completion_length = args.rloo.hp.max_completion_length or args.gen.max_new_tokens
     if args.resume and args.resume != "latest" and args.output_dir is None:
         args.output_dir = str(Path(args.resume).parent.parent)
-    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    stamp = int(time.time())  # a default folder of a run started in the same second: the next free second's name
+    while args.output_dir is None and Path(f"runs/{args.exp_name}__{args.seed}__{stamp}").exists():
+        stamp += 1
+    run_name = f"{args.exp_name}__{args.seed}__{stamp}"
     output_dir = Path(args.output_dir or f"runs/{run_name}")
     ckpt = ppo.find_checkpoint(args.resume, output_dir)
 

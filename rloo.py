@@ -1714,7 +1714,10 @@ def plan_run(args) -> tuple[int, Path, str, Path | None]:
         fail("--total-episodes", args.total_episodes, f"must be at least --batch-size ({args.batch_size})")
     if args.resume and args.resume != "latest" and args.output_dir is None:
         args.output_dir = str(Path(args.resume).parent.parent)
-    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    stamp = int(time.time())  # a default folder of a run started in the same second: the next free second's name
+    while args.output_dir is None and Path(f"runs/{args.exp_name}__{args.seed}__{stamp}").exists():
+        stamp += 1
+    run_name = f"{args.exp_name}__{args.seed}__{stamp}"
     output_dir = Path(args.output_dir or f"runs/{run_name}")
     return num_iterations, output_dir, run_name, find_checkpoint(args.resume, output_dir)
 
@@ -1815,9 +1818,10 @@ def save_checkpoint(folder: Path, models: dict, weights: dict, tokenizer, state:
 def find_checkpoint(resume: str | None, output_dir: Path) -> Path | None:
     """The checkpoint folder that --resume names ('latest': the newest complete one in --output-dir), or None (new)."""
     found = sorted(p for p in (output_dir / "checkpoints").glob("iter_*[0-9]") if (p / "state.pt").exists())
-    if resume is None and found:  # its checkpoints would be pruned among the old run's, and 'latest' be theirs
-        fail("--output-dir", str(output_dir), f"it holds another run's checkpoints ({found[-1].name}); add --resume "
-             "latest to go on with that run, or give a new folder")
+    log = output_dir / "metrics.jsonl"  # a new run would overwrite its rows and model, or prune its checkpoints
+    if resume is None and (found or log.is_file() and log.stat().st_size > 0):
+        fail("--output-dir", str(output_dir), f"it holds another run ({found[-1].name if found else log.name}); " + (
+             "add --resume latest to go on with that run, or give a new folder" if found else "give a new folder"))
     if resume is None:
         return None
     if resume == "latest":

@@ -4,6 +4,7 @@ scripts share their interfaces, so each test runs on both."""
 import json
 import shutil
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -233,13 +234,32 @@ def test_bad_input_runs_in_a_process_and_in_this_one_alike(script, args, user_fi
 
 
 @pytest.mark.parametrize("script", [*SCRIPTS, "stepwise_prm.py", "interleave.py"])
-def test_a_new_run_into_a_folder_holding_checkpoints_is_refused(script, tmp_path):
+def test_a_new_run_into_a_folder_holding_another_run_is_refused(script, tmp_path):
     """A new run in another run's folder pruned its own checkpoints among the old run's (keeping the old ones, of
-    higher iterations), and a later --resume latest took the old run's: refused, with the way to go on."""
+    higher iterations), and a later --resume latest took the old run's: refused, with the way to go on. A finished
+    run without checkpoints lost its metrics and model to the new one: refused too."""
     (tmp_path / "run" / "checkpoints" / "iter_000004").mkdir(parents=True)
     (tmp_path / "run" / "checkpoints" / "iter_000004" / "state.pt").write_bytes(b"")
     result = run_main(script, "--output-dir", tmp_path / "run")
     assert_one_line_error(result, "--output-dir", "iter_000004", "--resume latest")
+    (tmp_path / "done" / "model").mkdir(parents=True)
+    (tmp_path / "done" / "metrics.jsonl").write_text('{"iteration": 0}\n')
+    result = run_main(script, "--output-dir", tmp_path / "done")
+    assert_one_line_error(result, "--output-dir", "metrics.jsonl", "give a new folder")
+
+
+@pytest.mark.parametrize("script", [*SCRIPTS, "stepwise_prm.py", "interleave.py"])
+def test_a_default_run_folder_taken_by_a_run_of_the_same_second_is_not_reused(script, tmp_path):
+    """runs/<exp_name>__<seed>__<unix time>: a second run started within the same second took the first's folder (and
+    overwrote it); now it takes the next free second's. The runs of the next minute are there: the run goes on past
+    the folder (to the model, which fails) and leaves them as they were."""
+    now = int(time.time())
+    for stamp in range(now, now + 60):
+        (tmp_path / "runs" / f"x__1__{stamp}").mkdir(parents=True)
+        (tmp_path / "runs" / f"x__1__{stamp}" / "metrics.jsonl").write_text('{"iteration": 0}\n')
+    result = run_main(script, "--exp-name", "x", "--seed", "1", "--model", "no/such/model", cwd=tmp_path)
+    assert_one_line_error(result, "--model", "no/such/model")
+    assert {p.read_text() for p in (tmp_path / "runs").glob("*/metrics.jsonl")} == {'{"iteration": 0}\n'}
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

@@ -51,7 +51,7 @@ def test_sampling_filters_are_on_policy_and_only_the_others_are_named_off_policy
         rows = [json.loads(line) for line in (tmp_path / script / "metrics.jsonl").read_text().splitlines()[1:]]
         assert all(r["sampling/sampling_logp_difference/max"] < 1e-4 for r in rows), rows
         assert all(abs(r["sampling/importance_sampling_ratio/mean"] - 1) < 1e-4 for r in rows), rows
-        penalised = run_main(script, *TINY, "--repetition-penalty", "1.3", "--output-dir", tmp_path / "p", *(
+        penalised = run_main(script, *TINY, "--repetition-penalty", "1.3", "--output-dir", tmp_path / f"p-{script}", *(
             ["--rloo-k", "2"] if script == "rloo.py" else []))
         lines = [line for line in penalised.stdout.splitlines() if "off-policy" in line]
         assert len(lines) == 1 and "--repetition-penalty 1.3" in lines[0], penalised.stdout[-2000:]
