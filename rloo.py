@@ -1297,15 +1297,15 @@ def stop_check(tokenizer, stop_strings: list[str]) -> Callable:
 
 
 def check_scores_vary(scores: torch.Tensor, spreads: list, builtin_model: bool, rank: int, first: int = 3) -> None:
-    """The largest spread within a group of each of the first iterations' rewards [groups, k] (scores and process
-    rewards; ppo.py: one group, the batch) over all processes; where none varied, one line says so (rank 0): every
-    advantage is 0, nothing is learnt (a reward that cannot fire, or that reads the prompt alone)."""
+    """The spread of each of the first iterations' rewards (scores and process rewards): of the batch [B] over all
+    processes (ppo.py), or the largest within a group [P, k] (rloo.py); where none varied, one line says so (rank 0):
+    every advantage is 0, nothing is learnt (a reward that cannot fire; in groups, one that reads the prompt alone)."""
     if len(spreads) < first:
         x = average_metrics({"r/max": scores.max().item(), "r/min": scores.min().item(),  # over processes
-                             "r/spread/max": (scores.amax(1) - scores.amin(1)).max().item()}, scores.device)
-        spreads.append(x["r/max"] - x["r/min"] if len(scores) == 1 else x["r/spread/max"])  # one group: all processes'
+                             "r/spread/max": (scores.amax(-1) - scores.amin(-1)).max().item()}, scores.device)
+        spreads.append(x["r/max"] - x["r/min"] if scores.dim() == 1 else x["r/spread/max"])
         if len(spreads) == first and max(spreads) == 0 and rank == 0:
-            same = f"all {scores[0, 0].item():g}" if bool((scores == scores[0, 0]).all()) else "equal within each group"
+            same = f"all {x['r/max']:g}" if x["r/max"] == x["r/min"] else "equal within each group"
             tqdm.write(f"warning: the rewards of {first} iterations never varied (the last's {same}): nothing to learn "
                        "from; check that the reward can score what the model writes" + (" (the built-in model writes "
                        "digits and +-*= only)" if builtin_model else ""))

@@ -158,6 +158,18 @@ def test_nonfinite_loss_stops_with_the_last_checkpoint_kept(script, tmp_path):
     assert rows[-1]["iteration"] == 4 and rows[-1]["loss/nonfinite_skipped"] > 0
 
 
+def test_a_reward_that_varies_only_between_processes_is_said_to_never_vary_within_a_group(tmp_path):
+    """One group per process, and a reward of the process alone: the batch varies over processes, yet no group does,
+    so every advantage is 0 (the check took a process's one group for ppo.py's batch and said nothing)."""
+    (tmp_path / "by_rank.py").write_text("import os\n\ndef score(prompts, completions, **kwargs):\n"
+                                          "    return [float(os.environ['RANK'])] * len(completions)\n")
+    result = run_script("rloo.py", "--total-episodes", "24", "--batch-size", "8", "--eval-every", "100", "--reward-fn",
+                        f"{tmp_path / 'by_rank.py'}:score", "--output-dir", tmp_path / "run", launcher=TORCHRUN)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.count("warning: the rewards of 3 iterations never varied (the last's equal within each "
+                               "group)") == 1
+
+
 def test_step_or_skip():
     layer = torch.nn.Linear(2, 1)
     optimizer = torch.optim.SGD(layer.parameters(), lr=1.0)
