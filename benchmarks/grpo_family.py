@@ -18,6 +18,7 @@ were made on-policy).
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -33,8 +34,9 @@ NAMES = ["rloo", "trl_rloo", "grpo", "dr_grpo", "dapo", "gspo", "cispo", "sapo",
 def run_script(args: list[str], out: Path, threads: int = 1, reuse: bool = False) -> list[dict]:
     """python <args> --output-dir out, its output to out/log.txt; the metrics rows (stops on a failure). reuse: a
     folder that already holds the run's final model is read, not run again."""
-    out.mkdir(parents=True, exist_ok=True)
     if not (reuse and (out / "model").is_dir()):
+        shutil.rmtree(out, ignore_errors=True)  # a new run refuses a folder holding another's rows
+        out.mkdir(parents=True)
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
         with open(out / "log.txt", "w") as log:
             code = subprocess.run([sys.executable, *args, "--output-dir", str(out)], cwd=ROOT, env=env, stdout=log,

@@ -177,17 +177,20 @@ def grpo_real(episodes: int, model: Path, data: Path, out: Path, eval_every: int
     greedy = ppo.generation_configs(ppo.GenArgs(max_new_tokens=completion_tokens), eval_tokenizer, 1.0)[1]
     out.mkdir(parents=True, exist_ok=True)
     save_every = int(sys.argv[sys.argv.index("--save-every") + 1]) if "--save-every" in sys.argv else 0
-    resume = save_every > 0 and any((out / "trl").glob("checkpoint-*"))  # on from TRL's newest checkpoint
-    rows = (out / "metrics.jsonl").read_text().splitlines() if resume else []
-    log = (out / "metrics.jsonl").open("w")
+    states = (out / "trl").glob("checkpoint-*/trainer_state.json") if save_every else []  # a checkpoint's last file
+    whole = sorted((int(p.parent.name.split("-")[1]), p.parent) for p in states)
+    resume = str(whole[-1][1]) if whole else None  # on from TRL's newest whole checkpoint
 
     class Evaluate(TrainerCallback):
         """A metrics row per step; ppo.py's greedy evaluation at step 0, every eval_every steps and at the end; resumed,
-        the rows up to the checkpoint's step kept and elapsed_s going on from there."""
+        the rows up to the checkpoint's step kept (swapped in whole) and elapsed_s going on from there."""
 
         def on_train_begin(self, args, state, control, model=None, **kwargs):
-            kept = [r for r in rows if json.loads(r)["iteration"] <= state.global_step]
-            log.writelines(r + "\n" for r in kept)
+            rows = (out / "metrics.jsonl").read_text().splitlines() if resume else []
+            kept = [r for r in rows if r.endswith("}") and json.loads(r)["iteration"] <= state.global_step]
+            (out / "metrics.tmp").write_text("".join(r + "\n" for r in kept))
+            os.replace(out / "metrics.tmp", out / "metrics.jsonl")
+            self.log = (out / "metrics.jsonl").open("a")
             if not kept:
                 self.row(0, model, state.max_steps)
             self.start = time.perf_counter() - (json.loads(kept[-1])["elapsed_s"] if kept else 0.0)
@@ -204,18 +207,18 @@ def grpo_real(episodes: int, model: Path, data: Path, out: Path, eval_every: int
                     metrics, _ = ppo.evaluate(model, eval_tokenizer, task, greedy, greedy, [], 0, 1)
                 model.train()
                 row.update(metrics)
-            log.write(json.dumps(row) + "\n")
-            log.flush()
+            self.log.write(json.dumps(row) + "\n")
+            self.log.flush()
 
     ds = Dataset.from_json(str(data / "train.jsonl"))
     config = grpo_config(out, episodes, completion_tokens, 32 if completion_tokens <= 16 else 8, save_every)
     trainer = GRPOTrainer(model=str(model), reward_funcs=reward, args=config, train_dataset=ds,
-                          processing_class=tokenizer, callbacks=[Evaluate()])
+                          processing_class=tokenizer, callbacks=[evaluate := Evaluate()])
     ref = trainer.ref_model.dtype if trainer.ref_model is not None else None
     print(f"TRL GRPOTrainer: policy {trainer.model.dtype}, reference {ref}, {config.max_steps} steps"
-          + " (resumed)" * resume, flush=True)
-    trainer.train(resume_from_checkpoint=resume or None)
-    log.close()
+          + f" (from {resume})" * bool(resume), flush=True)
+    trainer.train(resume_from_checkpoint=resume)
+    evaluate.log.close()
     print(f"rows in {out / 'metrics.jsonl'}")
 
 

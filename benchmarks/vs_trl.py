@@ -22,6 +22,7 @@ import argparse
 import copy
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -146,6 +147,7 @@ def ours(algo: str, iterations: int, art: Path, dtype: str, compile_: bool, extr
     """Run our script (the one in `root`: another checkout for before/after figures) on the benchmark settings (plus
     `extra` flags); per-iteration seconds from its metrics.jsonl."""
     args, out = our_command(algo, iterations, art, dtype, compile_, extra)
+    shutil.rmtree(out, ignore_errors=True)  # a new run refuses a folder holding another's rows
     text = run([sys.executable, "-c", PEAK, *args], env={"HF_HUB_OFFLINE": "1"}, cwd=root)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:-1]  # no eval rows
     times = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(rows, rows[1:])]
@@ -252,6 +254,7 @@ def learning(seeds: list[int], episodes: int) -> list[str]:
              "TRL seconds |", "| --- | --- | --- | --- | --- | --- |"]
     for seed in seeds:
         out = Path(f"/tmp/learn_ours_{seed}")
+        shutil.rmtree(out, ignore_errors=True)
         run([sys.executable, "rloo.py", "--model", str(folder), "--learning-rate", "1e-3", "--max-new-tokens", "4",
              "--total-episodes", str(episodes), "--seed", str(seed), "--eval-every", "100000", "--output-dir",
              str(out)], env={"HF_HUB_OFFLINE": "1"})
