@@ -59,6 +59,7 @@ from ppo import (  # noqa: E402
     build_tiny_model,
     disable_dropout,
     fail,
+    find_checkpoint,
     generate,
     generation_configs,
     left_pad,
@@ -343,8 +344,12 @@ def main(args: Args) -> None:
     if args.batch_size % (args.ppo.num_mini_batches * args.ppo.gradient_accumulation_steps):
         fail("--batch-size", args.batch_size, f"must be divisible by --num-mini-batches ({args.ppo.num_mini_batches})"
              f" x --gradient-accumulation-steps ({args.ppo.gradient_accumulation_steps})")
-    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    stamp = int(time.time())  # a default folder of a run started in the same second: the next free second's name
+    while args.output_dir is None and Path(f"runs/{args.exp_name}__{args.seed}__{stamp}").exists():
+        stamp += 1
+    run_name = f"{args.exp_name}__{args.seed}__{stamp}"
     output_dir = Path(args.output_dir or f"runs/{run_name}")
+    find_checkpoint(None, output_dir)  # a folder holding another run is refused (its rows and model would be lost)
 
     # ---- seeding, the tokenizer and the policy; held-out evaluation tasks, the same for every seed
     random.seed(args.seed)

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForTokenClassification
 
 import ppo
-from conftest import ROOT, run_script
+from conftest import ROOT, assert_one_line_error, run_script
 
 spec = importlib.util.spec_from_file_location("calculator", ROOT / "examples" / "calculator.py")
 calc = importlib.util.module_from_spec(spec)
@@ -224,3 +224,5 @@ def test_tiny_run_from_another_folder_writes_metrics(tmp_path):
     assert len(ppo_rows) == 2 and all("rollout/calls" in r for r in ppo_rows)
     assert json.loads((out / "config.json").read_text())["mental_fraction"] == 0.7
     assert (out / "model" / "config.json").exists() and (out / "warm_start" / "tokenizer.json").exists()
+    again = run_script("examples/calculator.py", "--output-dir", out, cwd=tmp_path, env={"PYTHONPATH": ""})
+    assert_one_line_error(again, "--output-dir", "metrics.jsonl")  # the finished run is kept, not overwritten
