@@ -13,6 +13,8 @@ the splits 'train' and 'test') and `--reward-fn examples/reasoning_gym.py:score`
              give the answer as <answer>...</answer>), --shots solved train entries (question, then the assistant's
              <answer>...</answer>), then the question
     entry    the task's entry (question, answer, metadata) as JSON, which the task's scorer reads
+    config   the task's --config as JSON, under which the scorer is built (some read theirs: decimal_arithmetic's
+             tolerance, puzzle24's number range); a dataset without the column is scored under the task's defaults
 
 `score` takes the last <answer>...</answer> of a completion (reasoning-gym's `extract_answer`; none: 0) and scores it
 with the task's scorer, found by the entry's `source_dataset`. Where the right answer is an integer, math-verify parses
@@ -71,13 +73,14 @@ SHOTS = 1
 INTEGER = re.compile(r"-?\d+")
 
 
-def row(entry: dict, system_prompt: str = SYSTEM_PROMPT, shots: Sequence[dict] = ()) -> dict:
+def row(entry: dict, system_prompt: str = SYSTEM_PROMPT, shots: Sequence[dict] = (), config: str = "{}") -> dict:
     """A prompt row: as chat messages the system prompt, each shot's question and its answer in tags (the assistant's
-    turn), and the question; and the whole entry as JSON."""
+    turn), and the question; the whole entry as JSON, and the task's config (JSON)."""
     system = [] if system_prompt == "none" else [{"role": "system", "content": SYSTEM_PROMPTS[system_prompt]}]
     shown = [m for s in shots for m in ({"role": "user", "content": s["question"]},
                                         {"role": "assistant", "content": f"<answer>{s['answer']}</answer>"})]
-    return {"prompt": [*system, *shown, {"role": "user", "content": entry["question"]}], "entry": encode(entry)}
+    return {"prompt": [*system, *shown, {"role": "user", "content": entry["question"]}], "entry": encode(entry),
+            "config": config}
 
 
 def encode(entry: dict) -> str:
@@ -97,19 +100,20 @@ def final_answer(completion: str) -> str | None:
 
 
 @functools.cache
-def task_scorer(name: str):
-    """The task's own score_answer(answer, entry) -> [0, 1], built once per task."""
-    return reasoning_gym.get_score_answer_fn(name)
+def task_scorer(name: str, config: str = "{}"):
+    """The task's own score_answer(answer, entry) -> [0, 1] under its config (JSON), built once per task and config."""
+    dataset_cls, config_cls = DATASETS[name]
+    return dataset_cls(config=config_cls(**json.loads(config))).score_answer
 
 
-def score_entry(completion: str, entry: dict) -> float:
+def score_entry(completion: str, entry: dict, config: str = "{}") -> float:
     """The reward of one completion: 0 without an answer. An integer answer: 1 if math-verify finds it equal to the
     right one, else the task's own scorer's credit, or 0 where the task has only the generic scorer (its substring
     credit would give "10" 0.5 against "0"). Any other answer: the task's scorer alone."""
     answer = final_answer(completion)
     if answer is None:
         return 0.0
-    scorer = task_scorer(entry["metadata"]["source_dataset"])
+    scorer = task_scorer(entry["metadata"]["source_dataset"], config)
     if INTEGER.fullmatch(str(entry["answer"])):
         if verify(parse(entry["answer"]), parse(answer)):
             return 1.0
@@ -121,10 +125,11 @@ def score_entry(completion: str, entry: dict) -> float:
         return 0.0
 
 
-def score(prompts: list, completions: list, entry: list[str], **kwargs) -> list[float]:
+def score(prompts: list, completions: list, entry: list[str], config: list[str] | None = None, **kwargs) -> list[float]:
     """--reward-fn, called as TRL calls it: a completion is text or [{'role': 'assistant', 'content': text}]."""
     texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
-    return [score_entry(text, json.loads(e)) for text, e in zip(texts, entry, strict=True)]
+    configs = config or ["{}"] * len(entry)
+    return [score_entry(text, json.loads(e), c) for text, e, c in zip(texts, entry, configs, strict=True)]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -190,15 +195,19 @@ def main(argv: list[str] | None = None) -> None:
         fail("--config", args.config, "give a JSON object of the task's config fields, e.g. '{\"max_animals\": 3}'")
 
     train, test = make_splits(args.task, args.size, args.eval_size, args.seed, config)
+    if args.shots and any(e["answer"] is None for e in train):  # a scorer that checks validity (graph_color)
+        fail("--shots", args.shots, "this task's entries carry no answer to show (its scorer checks a reply's own "
+                                    "validity): use --shots 0")
+    config = json.dumps(config, sort_keys=True)
     for e in train + test:  # the scorer must read the JSON copy as it reads the entry (arc_agi's tuple grids do not)
-        fn = task_scorer(e["metadata"]["source_dataset"])
+        fn = task_scorer(e["metadata"]["source_dataset"], config)
         if fn(e["answer"], json.loads(encode(e))) != fn(e["answer"], e):
             fail("--task", args.task, "its scorer reads the entries' JSON copies differently (tuples become lists); "
                                       "this example cannot score it")
     out = Path(args.out or f"data/{args.task}")
     out.mkdir(parents=True, exist_ok=True)
     for split, entries in (("train", train), ("test", test)):  # row i's shots: train rows i + 1 .. i + shots
-        rows = [row(e, args.system_prompt, [train[(i + j) % len(train)] for j in range(1, args.shots + 1)])
+        rows = [row(e, args.system_prompt, [train[(i + j) % len(train)] for j in range(1, args.shots + 1)], config)
                 for i, e in enumerate(entries)]
         (out / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     print(f"wrote {out}/train.jsonl ({len(train)} rows) and {out}/test.jsonl ({len(test)} rows, held out): "

@@ -152,6 +152,27 @@ def test_other_answers_keep_the_tasks_own_scorer():
     assert got == [rg.get_score_answer_fn("fraction_simplification")(unreduced, entry)] and got[0] < 1.0
 
 
+def test_the_scorer_is_built_under_the_written_config(tmp_path):
+    """decimal_arithmetic's tolerance is 10^-max_num_decimal_places: under the task's defaults an answer 9e-4 off the
+    right one scored 1 on a dataset written with 6 decimal places."""
+    config = '{"min_num_decimal_places": 6, "max_num_decimal_places": 6, "precision": 12}'
+    rows = load(write(tmp_path, "decimal_arithmetic", "--config", config, size=20, eval_size=5), "test")
+    off = [f"<answer>{float(json.loads(r['entry'])['answer']) + 9e-4}</answer>" for r in rows]
+    right = [f"<answer>{json.loads(r['entry'])['answer']}</answer>" for r in rows]
+    columns = {"entry": [r["entry"] for r in rows], "config": [r["config"] for r in rows]}
+    assert rg_example.score(None, off, **columns) == [0.0] * 5 and rg_example.score(None, right, **columns) == [1.0] * 5
+    assert rg_example.score(None, off, entry=columns["entry"]) == [1.0] * 5  # no config column: the task's defaults
+
+
+def test_a_task_whose_entries_carry_no_answer_takes_no_shots(tmp_path):
+    """graph_color's entries have answer None (its scorer checks a colouring): a shot would show <answer>None</answer>
+    and teach the model to write it."""
+    with pytest.raises(SystemExit, match=r"error: --shots 1: .* use --shots 0"):
+        write(tmp_path, "graph_color", size=5, eval_size=2)
+    rows = load(write(tmp_path, "graph_color", "--shots", "0", size=5, eval_size=2), "train")
+    assert all("None" not in m["content"] for r in rows for m in r["prompt"])
+
+
 def test_prompt_fn_rows_pass_the_scripts_check():
     rng = random.Random(0)
     rows = rloo.check_rows([rg_example.prompt(rng) for _ in range(3)], "examples/reasoning_gym.py:prompt")
