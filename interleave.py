@@ -307,7 +307,8 @@ def main(args: Args) -> None:
     if ckpt is not None:
         for name, model in models.items():
             ppo.load_weights(model, ckpt / name)
-    ppo.place([*models.values(), ref_policy, *[sources[p].reward_model for p in rl]], device, args.fsdp, world)
+    ppo.place([*models.values(), ref_policy, *[m for p in rl for m in (sources[p].reward_model, sources[p].prm)]],
+              device, args.fsdp, world)
 
     # ---- optimizers: the policy's (shared, or one per phase) and the PRM's own
     def adamw(*mods):  # AdamW over the modules' parameters (each step sets its phase's learning rate)

@@ -190,7 +190,10 @@ def test_learning_rates_default_by_model_and_are_logged(tmp_path, tiny_model_dir
         assert {r["phase"]: r["lr"] for r in rows if "lr" in r} == expected
 
 
-def test_rl_phases_with_a_prm_as_their_only_reward_train_on_its_step_scores(tmp_path, tiny_prm_dir):
+def test_rl_phases_with_a_prm_as_their_only_reward_train_on_its_step_scores(tmp_path, tiny_prm_dir, monkeypatch):
+    placed, place = [], ppo.place  # what goes to the device (and is sharded under --fsdp): the PRM too
+    monkeypatch.setattr(ppo, "place", lambda models, *args: placed.extend(models) or place(models, *args))
+
     def run(phase, weight):
         out = tmp_path / f"{phase}-{weight}"
         result = run_main("interleave.py", "--phases", phase, *TINY, f"--{phase}.prompt-fn",
@@ -200,6 +203,7 @@ def test_rl_phases_with_a_prm_as_their_only_reward_train_on_its_step_scores(tmp_
         assert result.returncode == 0, result.stderr[-3000:]
         return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()], out
     rows, _ = run("rloo", "1.0")  # rloo: each response's aggregated step score is its reward
+    assert any(type(m).__name__.endswith("ForTokenClassification") for m in placed if m is not None)
     scores = [r["rloo/objective/scores"] for r in rows if "rloo/objective/scores" in r]
     assert scores and all(s > 0 for s in scores), scores  # a random PRM scores steps about 0.5, never exactly 0
     _, with_prm = run("ppo", "1.0")  # ppo: shaped per-token rewards that add up to 0 per response
