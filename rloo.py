@@ -1522,6 +1522,8 @@ def global_sum(x: torch.Tensor) -> torch.Tensor:
 def step_or_skip(optimizer, params: list, nonfinite: bool, max_grad_norm: float, skip_nonfinite: bool) -> bool:
     """Average the gradients over processes (as DistributedDataParallel does; FSDP has reduced its sharded ones), clip,
     step; a NaN/inf loss or norm skips it, or raises FloatingPointError. True if it stepped."""
+    if max_grad_norm <= 0:  # clip_grad_norm_ would zero every gradient (0: no step at all) or turn it round (< 0)
+        fail("--max-grad-norm", max_grad_norm, "give the gradient norm to clip to, > 0 (1.0: TRL's default)")
     grads = [p.grad for p in params if p.grad is not None and not hasattr(p.grad, "placements")]
     if not nonfinite and grads and torch.distributed.is_initialized():
         flat = torch.cat([g.flatten() for g in grads])

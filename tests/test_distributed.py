@@ -180,3 +180,6 @@ def test_step_or_skip():
     assert all(torch.equal(a, b) for a, b in zip(before, layer.parameters())) and layer.weight.grad is None
     with pytest.raises(FloatingPointError):
         ppo.step_or_skip(optimizer, params, True, 1.0, skip_nonfinite=False)
+    for norm in (0.0, -1.0):  # transformers' Trainer reads 0 as no clipping; here it zeroed every gradient
+        with pytest.raises(SystemExit, match=f"error: --max-grad-norm {norm}: give the gradient norm to clip to, > 0"):
+            ppo.step_or_skip(optimizer, params, False, norm, skip_nonfinite=False)
