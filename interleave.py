@@ -453,7 +453,7 @@ def rl_phase_step(args: Args, phase: str, models: dict, ref_policy, optimizer, t
     common = {"hp": cfg.hp, "pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id,
               "sampler_logprobs": out["sampler_logprobs"]}
     if phase == "ppo":  # a PRM's step scores go in per token, as in ppo.py, or per response, as in rloo.py
-        rewards = ppo.token_rewards(out["scores"], out["masks"], out["process"], cfg.task.prm_weight)
+        rewards = ppo.token_rewards(out["scores"], out["masks"], out["process"], cfg.task.prm_weight, cfg.hp.gamma)
         metrics = ppo_step(policy, models["value"], ref_policy, optimizer, out["queries"], out["responses"], rewards,
                            out["masks"], **common)
     else:

@@ -342,8 +342,10 @@ def step_rewards(steps: list[tuple[int, float]], weight: float) -> list[tuple[in
     return out + [(-1, -previous)] if steps else []
 
 
-def token_rewards(scores: torch.Tensor, masks: torch.Tensor, process: list | None, weight: float) -> torch.Tensor:
-    """What ppo_step gets: scores [B], or with a PRM [B, T]: each step's reward where it ends, the score at the end."""
+def token_rewards(scores: torch.Tensor, masks: torch.Tensor, process: list | None, weight: float,
+                  gamma: float = 1.0) -> torch.Tensor:
+    """What ppo_step gets: scores [B], or with a PRM [B, T]: each step's reward where it ends, the score at the end;
+    gamma < 1: every token t before the last gets gamma Phi(t + 1) - Phi(t), the shaping whose discounted sum is 0."""
     if process is None:
         return scores
     rewards = torch.zeros(masks.shape)
@@ -352,6 +354,8 @@ def token_rewards(scores: torch.Tensor, masks: torch.Tensor, process: list | Non
     for b, steps in enumerate(process):
         for j, r in step_rewards(steps, weight):
             rewards[b, last[b] if j < 0 else j] += r
+        shaped = rewards[b, :last[b]]  # [L - 1]: the shaping before the last token, so its cumsum is Phi(t + 1)
+        rewards[b, :last[b]] += (gamma - 1) * shaped.cumsum(0)
     return rewards
 
 
@@ -535,7 +539,7 @@ def main(args: Args) -> None:
         with autocast(hp.dtype, device):
             out = rollout(policy, tokenizer, rows, sample, gen.stop_strings, task)
         # 9. Update: the scores (with a PRM, per-token process rewards too) go into one ppo_step.
-        rewards = token_rewards(out["scores"], out["masks"], out["process"], args.task.prm_weight)
+        rewards = token_rewards(out["scores"], out["masks"], out["process"], args.task.prm_weight, hp.gamma)
         check_scores_vary(rewards.view(len(rewards), -1).sum(1).to(device), spreads, args.model == "builtin", rank)
         try:
             metrics = ppo_step(policy, value_model, ref_policy, optimizer, out["queries"], out["responses"], rewards,

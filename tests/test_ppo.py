@@ -240,6 +240,18 @@ def test_step_rewards_shape_with_the_running_minimum():
     assert ppo.step_rewards([], 1.0) == []
 
 
+@pytest.mark.parametrize("gamma", [1.0, 0.9])
+def test_shaped_step_rewards_leave_the_discounted_return_at_the_score(gamma):
+    """Shaping is gamma Phi(s') - Phi(s) at every token: from the start, the discounted return is the score's alone, so
+    a confident first step buys nothing (at gamma 0.9 the undiscounted step changes alone gave it +0.61)."""
+    masks = torch.ones(2, 10, dtype=torch.long)
+    masks[1, 7:] = 0  # row 1 ends at token 6
+    steps = [[(0, 1.0)], [(2, 0.8), (4, 0.4), (6, 0.9)]]
+    rewards = ppo.token_rewards(torch.tensor([0.0, 0.5]), masks, steps, 2.0, gamma)
+    _, returns = ppo.gae(rewards, torch.zeros(2, 10), gamma, 1.0)
+    assert returns[:, 0].tolist() == pytest.approx([0.0, 0.5 * gamma ** 6])
+
+
 def test_process_rewards_land_on_the_last_token_of_each_step():
     torch.manual_seed(0)
     tokenizer = ppo.build_tokenizer()
