@@ -168,7 +168,7 @@ class Args:
     shared_optimizer: bool = True
     """one AdamW for the policy across phases (each step uses its phase's learning rate); else one per phase"""
     eval_every: int = 25
-    """evaluate with greedy decoding every this many steps (and at the start and the end)"""
+    """evaluate with greedy decoding every this many steps (and at the start and the end; 0: only there)"""
     save_every: int = 0
     """write a checkpoint every this many steps (0: only the final model)"""
     keep_checkpoints: int = 2
@@ -382,7 +382,7 @@ def main(args: Args) -> None:
                "lr": optimizers[phase].param_groups[0]["lr"],
                **{f"{phase}/{k}": v for k, v in ppo.average_metrics(metrics, device, COUNTS).items()}}
         samples = None
-        if step % args.eval_every == 0 or step == args.total_steps:
+        if args.eval_every and step % args.eval_every == 0 or step == args.total_steps:
             eval_metrics, samples = evaluate()
             row.update(eval_metrics)
         recent.update({k: v for k, v in row.items() if isinstance(v, float)})
@@ -481,11 +481,11 @@ def prm_phase_step(args: Args, prm, optimizer, tokenizer, examples: list[dict], 
 @contextlib.contextmanager
 def phase_flags(phase: str):
     """Rename the flags in a one-line error of ppo.py's or stepwise_prm.py's helpers as this script spells them:
-    their --reward-fn is --rloo.reward-fn here (every flag of TaskArgs; --max-new-tokens and --model stay)."""
+    their --reward-fn is --rloo.reward-fn here (the flags of TaskArgs and the updates'; --max-new-tokens stays)."""
     try:
         yield
     except SystemExit as e:
-        names = "|".join(f.name.replace("_", "-") for f in fields(TaskArgs))
+        names = "|".join(f.name.replace("_", "-") for c in (TaskArgs, PPOHParams, RLOOHParams) for f in fields(c))
         raise SystemExit(re.sub(rf"--({names})(?![\w-])", rf"--{phase}.\1", str(e))) from None
 
 
@@ -550,6 +550,7 @@ def check_args(args: Args) -> bool:
     for p in [p for p in args.phases if p in ("ppo", "rloo")]:
         with phase_flags(p):
             builtin = ppo.check_task(getattr(args, p).task) and builtin
+            ppo.check_update(getattr(args, p).hp)
         if getattr(args, p).hp.temperature <= 0:
             fail(f"--{p}.temperature", getattr(args, p).hp.temperature, "must be > 0: the logits are divided by it")
     if "rloo" in args.phases:

@@ -104,7 +104,7 @@ class Args:
     anneal_lr: bool = True
     """decay the learning rate linearly to 0"""
     eval_every: int = 25
-    """evaluate with greedy decoding every this many iterations (and at the start and the end)"""
+    """evaluate with greedy decoding every this many iterations (and at the start and the end; 0: only there)"""
     save_every: int = 0
     """write a checkpoint every this many iterations (0: only the final model)"""
     keep_checkpoints: int = 2
@@ -489,10 +489,7 @@ def main(args: Args) -> None:
     gen.max_new_tokens = gen.max_new_tokens or (4 if builtin else 64)
     if hp.temperature <= 0:
         fail("--temperature", hp.temperature, "must be > 0: the logits are divided by it (evaluation is greedy anyway)")
-    for flag, value in (("--num-ppo-epochs", hp.num_ppo_epochs), ("--num-mini-batches", hp.num_mini_batches),
-                        ("--gradient-accumulation-steps", hp.gradient_accumulation_steps)):
-        if value < 1:
-            fail(flag, value, "give at least 1")
+    check_update(hp)
     local_batch = args.batch_size // world
     if args.batch_size % world or local_batch % (hp.num_mini_batches * hp.gradient_accumulation_steps):
         fail("--batch-size", args.batch_size, f"must be divisible by {world} process(es) x --num-mini-batches "
@@ -558,7 +555,7 @@ def main(args: Args) -> None:
         row = {"iteration": iteration, "episode": state["episode"], "elapsed_s": round(time.time() - t0, 3),
                "lr": optimizer.param_groups[0]["lr"], **average_metrics(metrics, device, ("val/num_eos_tokens",))}
         samples = None
-        if iteration % args.eval_every == 0 or iteration == num_iterations:
+        if args.eval_every and iteration % args.eval_every == 0 or iteration == num_iterations:
             with autocast(hp.dtype, device):
                 eval_metrics, samples = evaluate(policy, tokenizer, task, sample, greedy, gen.stop_strings, rank, world)
             row.update(eval_metrics)
@@ -731,6 +728,17 @@ def adamw(models: list, lr: float, weight_decay: float, eps: float = 1e-5) -> to
     groups = [{"params": [p for n, p in named if n in decay], "weight_decay": weight_decay},
               {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
     return torch.optim.AdamW(groups if weight_decay else [p for _, p in named], lr=lr, eps=eps, weight_decay=0.0)
+
+
+def check_update(hp) -> None:
+    """The update's flags that ppo.py and rloo.py share, before anything loads: passes and splits at least 1, and the
+    sampler correction's cap above 0 (at 0 every token's policy loss is 0: a run that trains nothing, in silence)."""
+    for flag, value in (("--num-ppo-epochs", hp.num_ppo_epochs), ("--num-mini-batches", hp.num_mini_batches),
+                        ("--gradient-accumulation-steps", hp.gradient_accumulation_steps)):
+        if value < 1:
+            fail(flag, value, "give at least 1")
+    if hp.sampler_correction_cap is not None and hp.sampler_correction_cap <= 0:
+        fail("--sampler-correction-cap", hp.sampler_correction_cap, "give the importance weights' cap, > 0 (None: off)")
 
 
 def model_context(model) -> int:

@@ -118,7 +118,7 @@ class Args:
     """compute dtype of the forward passes: bf16 runs them under autocast (weights, gradients and optimizer state
     stay fp32)"""
     eval_every: int = 250
-    """evaluate on the held-out rows every this many steps (and at the start and the end)"""
+    """evaluate on the held-out rows every this many steps (and at the start and the end; 0: only there)"""
     save_every: int = 0
     """write a checkpoint every this many steps (0: only the final model)"""
     keep_checkpoints: int = 2
@@ -391,7 +391,7 @@ def main(args: Args) -> None:
                  "kept; lower --learning-rate, check the data, or pass --skip-nonfinite")
         row = {"iteration": iteration, "elapsed_s": round(time.time() - t0, 3), "lr": optimizer.param_groups[0]["lr"],
                **average_metrics(metrics, device, counts=("train/tokens",))}
-        if iteration % args.eval_every == 0 or iteration == args.total_steps:
+        if args.eval_every and iteration % args.eval_every == 0 or iteration == args.total_steps:
             row.update(evaluation())
         log_row(metrics_path, run, row)
         state["f1"] = row.get("eval/wrong_step_f1", state["f1"])

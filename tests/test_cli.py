@@ -203,6 +203,7 @@ def test_save_then_resume_gives_the_same_run(script, tmp_path):
     (["--batch-size", "30", "--num-mini-batches", "4"], "--batch-size", ["divisible"]),
     (["--num-mini-batches", "0"], "--num-mini-batches", ["at least 1"]),  # not a division by zero
     (["--num-ppo-epochs", "0"], "--num-ppo-epochs", ["at least 1"]),  # not a run that trains nothing
+    (["--sampler-correction-cap", "0"], "--sampler-correction-cap", ["> 0"]),  # nor a policy loss of 0
     (["--reward-fn", "my_prompts:exact", "--reward-weights", "1", "2", "--prompt-fn", "my_prompts:digits"],
      "--reward-weights", ["one weight per"]),
     (["--dataset", "long.jsonl", "--reward-fn", "my_prompts:exact"], "--dataset", ["context of 256"]),
@@ -260,6 +261,20 @@ def test_a_default_run_folder_taken_by_a_run_of_the_same_second_is_not_reused(sc
     result = run_main(script, "--exp-name", "x", "--seed", "1", "--model", "no/such/model", cwd=tmp_path)
     assert_one_line_error(result, "--model", "no/such/model")
     assert {p.read_text() for p in (tmp_path / "runs").glob("*/metrics.jsonl")} == {'{"iteration": 0}\n'}
+
+
+@pytest.mark.parametrize("script, flags", [
+    (script, ["--total-episodes", "48", "--batch-size", "16"]) for script in SCRIPTS] + [
+    ("interleave.py", ["--total-steps", "3", "--sft.batch-size", "8", "--rloo.batch-size", "8"]),
+    ("stepwise_prm.py", ["--num-train-rows", "200", "--num-eval-rows", "40", "--best-of-n", "4", "--warmup-steps",
+                         "10", "--total-steps", "3", "--batch-size", "16"])])
+def test_eval_every_0_evaluates_at_the_start_and_the_end_only(script, flags, tmp_path):
+    """--eval-every 0 stopped the run at its first iteration (a division by zero); it reads as --save-every 0 does."""
+    result = run_main(script, *flags, "--eval-every", "0", "--output-dir", tmp_path / "run")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evaluated = [r.get("iteration", r.get("step")) for r in rows if any(k.startswith(("eval/", "task/")) for k in r)]
+    assert evaluated == [0, 3], evaluated
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

@@ -222,6 +222,8 @@ def test_rl_phases_with_a_prm_as_their_only_reward_train_on_its_step_scores(tmp_
     (["--schedule", "transitions"], "--sft.until", ["['rloo'] can never run"]),
     (["--phases", "sft", "--sft.on-failures"], "--sft.on-failures", ["needs an RL phase"]),
     (["--rloo.batch-size", "10"], "--rloo.batch-size", ["divisible by --rloo.rloo-k"]),
+    (["--rloo.num-ppo-epochs", "0"], "--rloo.num-ppo-epochs", ["at least 1"]),  # its steps trained nothing
+    (["--phases", "ppo", "--ppo.sampler-correction-cap", "0"], "--ppo.sampler-correction-cap", ["> 0"]),
     (["--rloo.prompt-fn", "ppo:addition_prompt"], "--rloo.reward-fn", ["need a reward", "give --rloo.reward-fn"]),
 ])
 def test_bad_config_is_one_line(args, flag, words, tmp_path):
