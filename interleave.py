@@ -551,8 +551,6 @@ def check_args(args: Args) -> bool:
         with phase_flags(p):
             builtin = ppo.check_task(getattr(args, p).task) and builtin
             ppo.check_update(getattr(args, p).hp)
-        if getattr(args, p).hp.temperature <= 0:
-            fail(f"--{p}.temperature", getattr(args, p).hp.temperature, "must be > 0: the logits are divided by it")
     if "rloo" in args.phases:
         try:
             kl_estimator_for(args.rloo.hp)

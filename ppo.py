@@ -487,8 +487,6 @@ def main(args: Args) -> None:
     rank, world, device = setup_distributed()
     builtin = check_task(args.task)  # the task's flags checked whatever else is given
     gen.max_new_tokens = gen.max_new_tokens or (4 if builtin else 64)
-    if hp.temperature <= 0:
-        fail("--temperature", hp.temperature, "must be > 0: the logits are divided by it (evaluation is greedy anyway)")
     check_update(hp)
     local_batch = args.batch_size // world
     if args.batch_size % world or local_batch % (hp.num_mini_batches * hp.gradient_accumulation_steps):
@@ -731,8 +729,10 @@ def adamw(models: list, lr: float, weight_decay: float, eps: float = 1e-5) -> to
 
 
 def check_update(hp) -> None:
-    """The update's flags that ppo.py and rloo.py share, before anything loads: passes and splits at least 1, and the
-    sampler correction's cap above 0 (at 0 every token's policy loss is 0: a run that trains nothing, in silence)."""
+    """The update's flags that ppo.py and rloo.py share, before anything loads: the temperature above 0, passes and
+    splits at least 1, the sampler correction's cap above 0 (at 0 every token's policy loss is 0: nothing trains)."""
+    if hp.temperature <= 0:
+        fail("--temperature", hp.temperature, "must be > 0: the logits are divided by it (evaluation is greedy anyway)")
     for flag, value in (("--num-ppo-epochs", hp.num_ppo_epochs), ("--num-mini-batches", hp.num_mini_batches),
                         ("--gradient-accumulation-steps", hp.gradient_accumulation_steps)):
         if value < 1:

@@ -595,8 +595,6 @@ def main(args: Args) -> None:
         kl_estimator_for(hp)
     except ValueError as e:
         fail("--kl-estimator", hp.kl_estimator, str(e))
-    if hp.temperature <= 0:
-        fail("--temperature", hp.temperature, "must be > 0: the logits are divided by it (evaluation is greedy anyway)")
     if hp.loss_type == "cispo" and hp.epsilon_high is None:
         fail("--epsilon-high", None, "--loss-type cispo caps the ratio at --epsilon-high itself: give it (TRL: 5.0)")
     if not 0 <= hp.top_entropy_quantile <= 1:
@@ -851,8 +849,10 @@ def adamw(models: list, lr: float, weight_decay: float, eps: float = 1e-5) -> to
 
 
 def check_update(hp) -> None:
-    """The update's flags that ppo.py and rloo.py share, before anything loads: passes and splits at least 1, and the
-    sampler correction's cap above 0 (at 0 every token's policy loss is 0: a run that trains nothing, in silence)."""
+    """The update's flags that ppo.py and rloo.py share, before anything loads: the temperature above 0, passes and
+    splits at least 1, the sampler correction's cap above 0 (at 0 every token's policy loss is 0: nothing trains)."""
+    if hp.temperature <= 0:
+        fail("--temperature", hp.temperature, "must be > 0: the logits are divided by it (evaluation is greedy anyway)")
     for flag, value in (("--num-ppo-epochs", hp.num_ppo_epochs), ("--num-mini-batches", hp.num_mini_batches),
                         ("--gradient-accumulation-steps", hp.gradient_accumulation_steps)):
         if value < 1:
