@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import assert_one_line_error, run_main, run_script
 
@@ -308,3 +308,22 @@ def test_process_rewards_from_a_prm(script, tmp_path, tiny_prm_dir):
     assert rows[-1]["episode"] == 32
     if script == "ppo.py":
         assert 0 <= rows[-1]["objective/prm_min_step_score"] <= 1
+
+
+def test_a_value_model_with_another_tokenizer_is_refused(tiny_model_dir, tmp_path):
+    """The value model reads the policy's token ids: a --value-model (or the --reward-model it defaults to) whose
+    tokenizer gives a token another id started the critic from the wrong embeddings, in silence. Tokens of its own
+    beyond the policy's are fine."""
+    shutil.copytree(tiny_model_dir, tmp_path / "swapped")
+    tokenizer_json = json.loads((tmp_path / "swapped" / "tokenizer.json").read_text())
+    vocab = tokenizer_json["model"]["vocab"]
+    vocab["0"], vocab["1"] = vocab["1"], vocab["0"]
+    (tmp_path / "swapped" / "tokenizer.json").write_text(json.dumps(tokenizer_json))
+    result = run_main("ppo.py", *TINY, "--value-model", tmp_path / "swapped", "--output-dir", tmp_path / "run")
+    assert_one_line_error(result, "--value-model", "its tokenizer is another")
+    extended = AutoTokenizer.from_pretrained(tiny_model_dir)
+    extended.add_tokens(["<extra>"])
+    shutil.copytree(tiny_model_dir, tmp_path / "extended", ignore=shutil.ignore_patterns("tokenizer*"))
+    extended.save_pretrained(tmp_path / "extended")
+    result = run_main("ppo.py", *TINY, "--value-model", tmp_path / "extended", "--output-dir", tmp_path / "ok")
+    assert result.returncode == 0, result.stderr[-3000:]
