@@ -374,6 +374,8 @@ def ppo_step(policy, value_model, ref_policy, optimizer, queries: torch.Tensor, 
     if micro * hp.num_mini_batches * hp.gradient_accumulation_steps != B:
         raise ValueError(f"batch of {B} does not split into {hp.num_mini_batches} mini-batches x "
                          f"{hp.gradient_accumulation_steps} accumulation steps")
+    if rewards.shape not in ((B,), (B, T)):  # [B, 1] would broadcast: the score on every token
+        raise ValueError(f"rewards of shape {tuple(rewards.shape)}: give [B] = [{B}] or [B, T] = [{B}, {T}]")
     refuse_dropout(policy=policy, value_model=value_model, ref_policy=ref_policy)
     device = next(policy.parameters()).device
     queries, responses, rewards = queries.to(device), responses.to(device), rewards.to(device).float()
