@@ -18,9 +18,9 @@ the splits 'train' and 'test') and `--reward-fn examples/reasoning_gym.py:score`
 
 `score` takes the last <answer>...</answer> of a completion (reasoning-gym's `extract_answer`; none: 0) and scores it
 with the task's scorer, found by the entry's `source_dataset`. Where the right answer is an integer, math-verify parses
-both and an equal answer scores 1 ("292 legs", "\\boxed{292}" and "292.0" are 292); an unequal one keeps the credit of
-a task's own scorer (gsm_symbolic: 0.01 for any number) but 0 from the generic one, whose substring credit would give
-"10" 0.5 against "0". Other answers are the task's scorer's alone, which knows what they must be: a fraction in lowest
+both and an equal answer scores 1 ("292 legs", "\\boxed{292}", "292.0" and "+292" are 292; "- 3" and "−3" are -3); an
+unequal one keeps the credit of a task's own scorer (gsm_symbolic: 0.01 for any number) below 1 (gsm_symbolic's reads
+-747 as 747) but 0 from the generic one, whose substring credit would give "10" 0.5 against "0". Other answers are the task's scorer's alone, which knows what they must be: a fraction in lowest
 terms, a decimal to 12 significant digits, any expression that makes 24.
 
 The test split is held out: reasoning-gym seeds entry i of a task with seed + i, so the train split takes the seeds
@@ -108,21 +108,24 @@ def task_scorer(name: str, config: str = "{}"):
 
 def score_entry(completion: str, entry: dict, config: str = "{}") -> float:
     """The reward of one completion: 0 without an answer. An integer answer: 1 if math-verify finds it equal to the
-    right one, else the task's own scorer's credit, or 0 where the task has only the generic scorer (its substring
-    credit would give "10" 0.5 against "0"). Any other answer: the task's scorer alone."""
+    right one (a leading + or a spaced or Unicode minus read as signs), else the task's own scorer's credit below 1, or
+    0 where the task has only the generic scorer (its substring credit would give "10" 0.5 against "0"). Any other
+    answer: the task's scorer alone."""
     answer = final_answer(completion)
     if answer is None:
         return 0.0
-    scorer = task_scorer(entry["metadata"]["source_dataset"], config)
+    scorer, read = task_scorer(entry["metadata"]["source_dataset"], config), []
     if INTEGER.fullmatch(str(entry["answer"])):
-        if verify(parse(entry["answer"]), parse(answer)):
+        read = parse(re.sub(r"^\+|^-\s+", lambda m: m[0][0].strip("+"), answer.replace("\u2212", "-")))  # +3, - 3, −3
+        if verify(parse(entry["answer"]), read):
             return 1.0
         if scorer.__func__ is ProceduralDataset.score_answer:
             return 0.0
     try:
-        return float(scorer(answer, entry))
+        credit = float(scorer(answer, entry))
     except Exception:  # model text can break a scorer (prime_factorization's raises ValueError on "abc"): no credit
         return 0.0
+    return 0.0 if read and credit >= 1 else credit  # another number read: a scorer that says right is wrong (-3 for 3)
 
 
 def score(prompts: list, completions: list, entry: list[str], config: list[str] | None = None, **kwargs) -> list[float]:
