@@ -20,8 +20,9 @@ the splits 'train' and 'test') and `--reward-fn examples/reasoning_gym.py:score`
 with the task's scorer, found by the entry's `source_dataset`. Where the right answer is an integer, math-verify parses
 both and an equal answer scores 1 ("292 legs", "\\boxed{292}", "292.0" and "+292" are 292; "- 3" and "−3" are -3); an
 unequal one keeps the credit of a task's own scorer (gsm_symbolic: 0.01 for any number) below 1 (gsm_symbolic's reads
--747 as 747) but 0 from the generic one, whose substring credit would give "10" 0.5 against "0". Other answers are the task's scorer's alone, which knows what they must be: a fraction in lowest
-terms, a decimal to 12 significant digits, any expression that makes 24.
+-747 as 747) but 0 from the generic one, whose substring credit would give "10" 0.5 against "0". Other answers are the
+task's scorer's alone, which knows what they must be: a fraction in lowest terms, a decimal to 12 significant digits,
+any expression that makes 24.
 
 The test split is held out: reasoning-gym seeds entry i of a task with seed + i, so the train split takes the seeds
 seed .. seed + size - 1, the test split those from seed + size on, and a test question equal to a train question (or to
