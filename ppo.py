@@ -505,8 +505,8 @@ def main(args: Args) -> None:
     value_model = load_pretrained(AutoModelForTokenClassification, source, flag, args.trust_remote_code, num_labels=1,
                                   dtype=torch.float32) if source else \
         token_classifier_from(policy, 1, "--model", "give --value-model", args.trust_remote_code)  # fp32 as the policy
-    theirs = load_pretrained(AutoTokenizer, source, flag, args.trust_remote_code).vocab if source else {}
-    if source and any(theirs.get(token) != i for token, i in tokenizer.vocab.items()):  # added tokens of its own: fine
+    theirs = load_pretrained(AutoTokenizer, source, flag, args.trust_remote_code).get_vocab() if source else {}
+    if source and any(theirs.get(token) != i for token, i in tokenizer.get_vocab().items()):  # tokens of its own: fine
         fail(flag, source, "the value model reads the policy's token ids, and its tokenizer is another: give a "
                            "--value-model with the policy's tokenizer (none: the policy's weights under a fresh head)")
     value_model.config.pad_token_id = tokenizer.pad_token_id
