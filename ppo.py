@@ -541,7 +541,7 @@ def main(args: Args) -> None:
             out = rollout(policy, tokenizer, rows, sample, gen.stop_strings, task)
         # 9. Update: the scores (with a PRM, per-token process rewards too) go into one ppo_step.
         rewards = token_rewards(out["scores"], out["masks"], out["process"], args.task.prm_weight, hp.gamma)
-        check_scores_vary(rewards.flatten().to(device), spreads, args.model == "builtin", rank)  # with a PRM: tokens
+        check_scores_vary(rewards.view(len(rewards), -1).sum(1).to(device), spreads, args.model == "builtin", rank)
         try:
             metrics = ppo_step(policy, value_model, ref_policy, optimizer, out["queries"], out["responses"], rewards,
                                out["masks"], hp=hp, pad_token_id=tokenizer.pad_token_id,
@@ -1191,9 +1191,9 @@ def stop_check(tokenizer, stop_strings: list[str]) -> Callable:
 
 
 def check_scores_vary(scores: torch.Tensor, spreads: list, builtin_model: bool, rank: int, first: int = 3) -> None:
-    """The spread of each of the first iterations' rewards: of the batch's [N] over all processes (ppo.py's per token,
-    with a PRM's), or the largest within a group [P, k] (rloo.py); where none varied, one line says so (rank 0): every
-    advantage is 0, nothing is learnt (a reward that cannot fire; in groups, one that reads the prompt alone)."""
+    """The spread of each of the first iterations' rewards (scores and process rewards): of the batch [B] over all
+    processes (ppo.py), or the largest within a group [P, k] (rloo.py); where none varied, one line says so (rank 0):
+    every advantage is 0, nothing is learnt (a reward that cannot fire; in groups, one that reads the prompt alone)."""
     if len(spreads) < first:
         x = average_metrics({"r/max": scores.max().item(), "r/min": scores.min().item(),  # over processes
                              "r/spread/max": (scores.amax(-1) - scores.amin(-1)).max().item()}, scores.device)

@@ -1305,9 +1305,9 @@ def stop_check(tokenizer, stop_strings: list[str]) -> Callable:
 
 
 def check_scores_vary(scores: torch.Tensor, spreads: list, builtin_model: bool, rank: int, first: int = 3) -> None:
-    """The spread of each of the first iterations' rewards: of the batch's [N] over all processes (ppo.py's per token,
-    with a PRM's), or the largest within a group [P, k] (rloo.py); where none varied, one line says so (rank 0): every
-    advantage is 0, nothing is learnt (a reward that cannot fire; in groups, one that reads the prompt alone)."""
+    """The spread of each of the first iterations' rewards (scores and process rewards): of the batch [B] over all
+    processes (ppo.py), or the largest within a group [P, k] (rloo.py); where none varied, one line says so (rank 0):
+    every advantage is 0, nothing is learnt (a reward that cannot fire; in groups, one that reads the prompt alone)."""
     if len(spreads) < first:
         x = average_metrics({"r/max": scores.max().item(), "r/min": scores.min().item(),  # over processes
                              "r/spread/max": (scores.amax(-1) - scores.amin(-1)).max().item()}, scores.device)
