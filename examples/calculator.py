@@ -121,7 +121,7 @@ class Args:
     num_eval_tasks: int = 200
     """held-out tasks of the greedy evaluation (never drawn for training)"""
     eval_every: int = 50
-    """evaluate every this many PPO updates (and after the warm start and at the end)"""
+    """evaluate every this many PPO updates (and after the warm start and at the end; 0: only there)"""
     ppo: Annotated[PPOHParams, tyro.conf.arg(name="")] = field(default_factory=PPOHParams)
 
 
@@ -429,7 +429,7 @@ def main(args: Args) -> None:
                                     "rollout/calls": sum(ep.calls for ep in episodes) / len(episodes),
                                     "rollout/errors": sum(ep.errors for ep in episodes) / len(episodes),
                                     "rollout/answered": sum(ep.answer is not None for ep in episodes) / len(episodes)})
-        if iteration % args.eval_every == 0 or iteration == args.ppo_iterations:
+        if args.eval_every and iteration % args.eval_every == 0 or iteration == args.ppo_iterations:
             row = log_eval(step, "ppo")
 
     policy.save_pretrained(output_dir / "model")

@@ -212,14 +212,14 @@ def test_tiny_run_from_another_folder_writes_metrics(tmp_path):
     out = tmp_path / "run"
     result = run_script("examples/calculator.py", "--sft-steps", "30", "--sft-batch-size", "16", "--ppo-iterations",
                         "2", "--batch-size", "8", "--num-mini-batches", "2", "--num-ppo-epochs", "1",
-                        "--num-eval-tasks", "8", "--eval-every", "1", "--output-dir", out, cwd=tmp_path,
+                        "--num-eval-tasks", "8", "--eval-every", "0", "--output-dir", out, cwd=tmp_path,
                         env={"PYTHONPATH": ""}, timeout=300)  # no PYTHONPATH: the script finds ppo.py itself
     assert result.returncode == 0, result.stderr[-3000:]
     assert "accuracy with the tool:" in result.stdout.strip().splitlines()[-1]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert {r["phase"] for r in rows} == {"sft", "ppo"}
     evals = [r for r in rows if "eval/accuracy" in r]
-    assert len(evals) == 3 and all("eval_no_tool/accuracy" in r for r in evals)
+    assert len(evals) == 2 and all("eval_no_tool/accuracy" in r for r in evals)  # --eval-every 0: warm start, end
     ppo_rows = [r for r in rows if r["phase"] == "ppo" and "objective/kl" in r]
     assert len(ppo_rows) == 2 and all("rollout/calls" in r for r in ppo_rows)
     assert json.loads((out / "config.json").read_text())["mental_fraction"] == 0.7
