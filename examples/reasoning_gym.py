@@ -72,6 +72,7 @@ SYSTEM_PROMPT = "default"
 SHOTS = 1
 """solved examples before the question: small models (SmolLM2-135M) write no <answer> tags without one"""
 INTEGER = re.compile(r"-?\d+")
+NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
 
 
 def row(entry: dict, system_prompt: str = SYSTEM_PROMPT, shots: Sequence[dict] = (), config: str = "{}") -> dict:
@@ -108,17 +109,17 @@ def task_scorer(name: str, config: str = "{}"):
 
 
 def score_entry(completion: str, entry: dict, config: str = "{}") -> float:
-    """The reward of one completion: 0 without an answer. An integer answer: 1 if math-verify finds it equal to the
-    right one (a leading + or a spaced or Unicode minus read as signs), else the task's own scorer's credit below 1, or
-    0 where the task has only the generic scorer (its substring credit would give "10" 0.5 against "0"). Any other
-    answer: the task's scorer alone."""
+    """The reward of one completion: 0 without an answer. An integer answer: 1 if it holds one number and math-verify
+    finds it equal to the right one (math-verify would take "3 or 4" as 4 and evaluate "-5 * 9"; a leading + or a
+    spaced or Unicode minus is a sign), else the task's own scorer's credit below 1, or 0 where the task has only the
+    generic scorer (its substring credit would give "10" 0.5 against "0"). Any other answer: the task's scorer alone."""
     answer = final_answer(completion)
     if answer is None:
         return 0.0
     scorer, read = task_scorer(entry["metadata"]["source_dataset"], config), []
     if INTEGER.fullmatch(str(entry["answer"])):
         read = parse(re.sub(r"^\+|^-\s+", lambda m: m[0][0].strip("+"), answer.replace("\u2212", "-")))  # +3, - 3, −3
-        if verify(parse(entry["answer"]), read):
+        if len(NUMBER.findall(answer)) == 1 and verify(parse(entry["answer"]), read):  # not "3 or 4", nor "-5 * 9"
             return 1.0
         if scorer.__func__ is ProceduralDataset.score_answer:
             return 0.0

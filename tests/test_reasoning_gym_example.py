@@ -153,14 +153,15 @@ def test_other_answers_keep_the_tasks_own_scorer():
 
 
 def test_an_integer_answers_sign_is_read_and_a_scorer_that_drops_it_is_overruled():
-    """'+3', '- 3' and the Unicode minus are signs math-verify did not read; gsm_symbolic's own scorer reads -747 as
-    747 (its regex drops the sign): where math-verify reads another number, the task's 1 is no credit."""
+    """'+3', '- 3' and the Unicode minus are signs math-verify did not read; an expression (the question echoed) or
+    two numbers are not an answer; gsm_symbolic's own scorer reads -747 as 747 (its regex drops the sign): where
+    math-verify reads another number, the task's 1 is no credit."""
     entry = rg.create_dataset("basic_arithmetic", seed=1, size=6, max_terms=2, max_digits=1)[5]
     assert entry["answer"] == "-45"
     config, row = json.dumps({"max_digits": 1, "max_terms": 2}), [json.dumps(entry)]
-    texts = ["-45", "- 45", "\u221245", "45", "+45"]
-    assert rg_example.score(None, [f"<answer>{t}</answer>" for t in texts], entry=row * 5, config=[config] * 5) == [
-        1.0, 1.0, 1.0, 0.0, 0.0]
+    texts = ["-45", "- 45", "\u221245", "45", "+45", "-5 * 9", "45 - 90", "-44 or -45", "-45 apples"]
+    assert rg_example.score(None, [f"<answer>{t}</answer>" for t in texts], entry=row * 9, config=[config] * 9) == [
+        1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0]  # the question echoed, or two answers: no number given
     entry = rg.create_dataset("gsm_symbolic", seed=2, size=1)[0]
     assert rg.get_score_answer_fn("gsm_symbolic")(f"-{entry['answer']}", entry) == 1.0  # the task's own scorer
     texts = [f"-{entry['answer']}", f"+{entry['answer']}", str(int(entry["answer"]) + 1)]
