@@ -555,6 +555,8 @@ def check_args(args: Args) -> bool:
         if not (getattr(args, p).turn.until or getattr(args, p).turn.max_steps):
             fail(f"--{p}.until", None, f"phase {p} never ends, so {list(args.phases[i + 1:])} can never run; give "
                                         f"--{p}.until or --{p}.max-steps")
+    if "sft" in args.phases and args.sft.max_grad_norm <= 0:  # a clip to 0 zeroes every gradient
+        fail("--sft.max-grad-norm", args.sft.max_grad_norm, "give a value > 0 (at 0 nothing would train)")
     if args.sft.on_failures and not {"ppo", "rloo"} & set(args.phases):
         fail("--sft.on-failures", True, "needs an RL phase (ppo or rloo) whose failures it trains on")
     builtin = True

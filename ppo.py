@@ -502,13 +502,17 @@ def main(args: Args) -> None:
     # 7. Models: the reference is a frozen copy of the policy (LoRA: the policy, adapters off); a one-label value model.
     ref_policy = None if args.memory.lora_r else disable_dropout(copy.deepcopy(policy)).eval().requires_grad_(False)
     source, flag = args.value_model or args.task.reward_model, "--value-model" if args.value_model else "--reward-model"
+    if source and not args.value_model:  # the value model reads the policy's ids: so must the reward model it starts as
+        theirs = load_pretrained(AutoTokenizer, source, flag, args.trust_remote_code).get_vocab()
+        added = tokenizer.get_added_vocab()  # special and added tokens may be named otherwise
+        if any(theirs.get(token) != i for token, i in tokenizer.get_vocab().items() if token not in added):
+            if rank == 0:
+                print(f"note: --reward-model {source}'s tokenizer gives the policy's tokens other ids, so the value "
+                      "model starts from the policy's weights (--value-model picks another)")
+            source = None
     value_model = load_pretrained(AutoModelForTokenClassification, source, flag, args.trust_remote_code, num_labels=1,
                                   dtype=torch.float32) if source else \
         token_classifier_from(policy, 1, "--model", "give --value-model", args.trust_remote_code)  # fp32 as the policy
-    theirs = load_pretrained(AutoTokenizer, source, flag, args.trust_remote_code).get_vocab() if source else {}
-    if source and any(theirs.get(token) != i for token, i in tokenizer.get_vocab().items()):  # tokens of its own: fine
-        fail(flag, source, "the value model reads the policy's token ids, and its tokenizer is another: give a "
-                           "--value-model with the policy's tokenizer (none: the policy's weights under a fresh head)")
     value_model.config.pad_token_id = tokenizer.pad_token_id
     policy, value_model = with_lora(policy, args.memory), with_lora(value_model, args.memory)
     task = load_task(args.task, tokenizer, model_context(policy), gen.max_new_tokens, args.trust_remote_code, world)
@@ -736,15 +740,16 @@ def adamw(models: list, lr: float, weight_decay: float, eps: float = 1e-5) -> to
 
 def check_update(hp) -> None:
     """The update's flags that ppo.py and rloo.py share, before anything loads: the temperature above 0, passes and
-    splits at least 1, the sampler correction's cap above 0 (at 0 every token's policy loss is 0: nothing trains)."""
+    splits at least 1, the gradient clip and the sampler correction's cap above 0 (at 0 nothing trains, in silence)."""
     if hp.temperature <= 0:
         fail("--temperature", hp.temperature, "must be > 0: the logits are divided by it (evaluation is greedy anyway)")
     for flag, value in (("--num-ppo-epochs", hp.num_ppo_epochs), ("--num-mini-batches", hp.num_mini_batches),
                         ("--gradient-accumulation-steps", hp.gradient_accumulation_steps)):
         if value < 1:
             fail(flag, value, "give at least 1")
-    if hp.sampler_correction_cap is not None and hp.sampler_correction_cap <= 0:
-        fail("--sampler-correction-cap", hp.sampler_correction_cap, "give the importance weights' cap, > 0 (None: off)")
+    for flag, value in (("--max-grad-norm", hp.max_grad_norm), ("--sampler-correction-cap", hp.sampler_correction_cap)):
+        if value is not None and value <= 0:  # a clip to 0 zeroes every gradient, a cap of 0 every policy loss
+            fail(flag, value, "give a value > 0 (at 0 nothing would train)")
 
 
 def model_context(model) -> int:

@@ -850,15 +850,16 @@ def adamw(models: list, lr: float, weight_decay: float, eps: float = 1e-5) -> to
 
 def check_update(hp) -> None:
     """The update's flags that ppo.py and rloo.py share, before anything loads: the temperature above 0, passes and
-    splits at least 1, the sampler correction's cap above 0 (at 0 every token's policy loss is 0: nothing trains)."""
+    splits at least 1, the gradient clip and the sampler correction's cap above 0 (at 0 nothing trains, in silence)."""
     if hp.temperature <= 0:
         fail("--temperature", hp.temperature, "must be > 0: the logits are divided by it (evaluation is greedy anyway)")
     for flag, value in (("--num-ppo-epochs", hp.num_ppo_epochs), ("--num-mini-batches", hp.num_mini_batches),
                         ("--gradient-accumulation-steps", hp.gradient_accumulation_steps)):
         if value < 1:
             fail(flag, value, "give at least 1")
-    if hp.sampler_correction_cap is not None and hp.sampler_correction_cap <= 0:
-        fail("--sampler-correction-cap", hp.sampler_correction_cap, "give the importance weights' cap, > 0 (None: off)")
+    for flag, value in (("--max-grad-norm", hp.max_grad_norm), ("--sampler-correction-cap", hp.sampler_correction_cap)):
+        if value is not None and value <= 0:  # a clip to 0 zeroes every gradient, a cap of 0 every policy loss
+            fail(flag, value, "give a value > 0 (at 0 nothing would train)")
 
 
 def model_context(model) -> int:

@@ -228,6 +228,8 @@ def test_rl_phases_with_a_prm_as_their_only_reward_train_on_its_step_scores(tmp_
     (["--phases", "sft", "--sft.on-failures"], "--sft.on-failures", ["needs an RL phase"]),
     (["--rloo.batch-size", "10"], "--rloo.batch-size", ["divisible by --rloo.rloo-k"]),
     (["--rloo.num-ppo-epochs", "0"], "--rloo.num-ppo-epochs", ["at least 1"]),  # its steps trained nothing
+    (["--rloo.max-grad-norm", "0"], "--rloo.max-grad-norm", ["> 0"]),  # before any step, named as here
+    (["--sft.max-grad-norm", "0"], "--sft.max-grad-norm", ["> 0"]),
     (["--phases", "ppo", "--ppo.sampler-correction-cap", "0"], "--ppo.sampler-correction-cap", ["> 0"]),
     (["--rloo.prompt-fn", "ppo:addition_prompt"], "--rloo.reward-fn", ["need a reward", "give --rloo.reward-fn"]),
 ])
