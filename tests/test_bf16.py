@@ -28,17 +28,6 @@ def batch(tokenizer, k: int = 1):
     return queries, responses
 
 
-def fp32_logprobs_of_bf16_hidden(policy, input_ids, attention_mask, responses):
-    """The reference: the model's own final hidden states under bf16 autocast, then the output layer and the
-    log-softmax in fp32."""
-    T = responses.shape[1]
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        hidden = policy.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
-                                      position_ids=ppo.position_ids_from(attention_mask)).last_hidden_state
-    logits = hidden[:, -T - 1:-1].float() @ policy.get_output_embeddings().weight.T  # [B, T, V] in fp32
-    return logits.log_softmax(-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
-
-
 def test_logits_stay_fp32_under_bf16_autocast():
     """Whatever calls the policy under bf16 autocast (rollout, evaluation, the update) gets fp32 logits."""
     tokenizer, policy = peaked_policy(ppo)
@@ -47,21 +36,25 @@ def test_logits_stay_fp32_under_bf16_autocast():
         assert policy(input_ids=queries).logits.dtype == torch.float32
 
 
+@pytest.mark.parametrize("chunk", [0, 64])
 @pytest.mark.parametrize("script", [ppo, rloo])
-def test_bf16_logprobs_are_the_fp32_softmax_of_the_hidden_states(script):
-    """Under bf16 autocast, the update's logprobs equal the fp32 log-softmax of the fp32 projection of the model's
-    final hidden states: no bf16 rounding after the last layer. Rounded to bf16 (3 significant digits), logits of
-    +-10 are off by up to 0.03, and so are the logprobs whose differences make the ratio and the KL."""
+def test_bf16_logprobs_are_the_fp32_softmax_of_the_hidden_states(script, chunk):
+    """Under bf16 autocast, the update's logprobs (all logits at once, or --logits-chunk at a time) equal the fp32
+    log-softmax of the fp32 projection of the final hidden states the script's own forward computes: no bf16 rounding
+    after the last layer. Rounded to bf16 (3 significant digits), logits of +-10 are off by up to 0.03, and so are the
+    logprobs whose differences make the ratio and the KL. (The hidden states come from the script's packed forward:
+    a padded one's differ by bf16 rounding on some CPUs, and this test is about what comes after them.)"""
     tokenizer, policy = peaked_policy(script)
     k = 1 if script is ppo else 2
     queries, responses = batch(tokenizer, k)
     query_mask = ((queries != tokenizer.pad_token_id).cumsum(1) > 0).long()
-    input_ids = torch.cat([queries.repeat_interleave(k, 0), responses], 1)
-    attention_mask = torch.cat([query_mask.repeat_interleave(k, 0), torch.ones_like(responses)], 1)
-    expected = fp32_logprobs_of_bf16_hidden(policy, input_ids, attention_mask, responses)
+    valid = torch.ones_like(responses, dtype=torch.bool)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        logprobs, _ = script.response_logprobs(policy, queries, query_mask, responses,
-                                               torch.ones_like(responses, dtype=torch.bool), 1.0)
+        hidden, head = script.response_hidden(policy, queries, query_mask, responses, valid, chunk=1)  # [B * T, H]
+        logprobs, _ = script.response_logprobs(policy, queries, query_mask, responses, valid, 1.0, chunk=chunk)
+    assert head is policy.get_output_embeddings()
+    logits = hidden.reshape(*responses.shape, -1).float() @ head.weight.T  # [B, T, V] in fp32
+    expected = logits.log_softmax(-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
     assert expected.abs().max() > 1  # peaked enough for bf16 logits to be visibly rounded
     torch.testing.assert_close(logprobs, expected, rtol=0, atol=1e-5)
 
