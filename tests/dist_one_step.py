@@ -1,8 +1,9 @@
-"""Launched by tests/test_distributed.py under torchrun: one ppo_step or rloo_step on a fixed global batch, split over
-the processes (plain data parallel, or FSDP2 with --fsdp; with --lora, perturbed LoRA adapters and no reference copy,
-with or without FSDP2); rank 0 saves the resulting parameters and the step's KL to the reference.
+"""Launched by tests/test_distributed.py, under torchrun or as one process: for each mode named, one ppo_step or
+rloo_step on a fixed global batch, split over the processes (plain: data parallel; fsdp: FSDP2; lora: perturbed LoRA
+adapters and no reference copy; fsdp+lora both), each from fresh models; rank 0 saves the resulting parameters and the
+step's KL to the reference as OUT_FOLDER/MODE.pt. The modes share one launch: each costs no new process.
 
-    torchrun --nproc_per_node 2 tests/dist_one_step.py ppo out.pt [--fsdp] [--lora]
+    torchrun --nproc_per_node 2 tests/dist_one_step.py ppo OUT_FOLDER plain fsdp lora fsdp+lora
 
 rloo-masks: rloo_step with vespo's loss, the top half of the tokens by entropy (a quantile of all processes' tokens) and
 off-policy sequence masking against sampler logprobs that differ from the policy's.
@@ -19,8 +20,7 @@ import ppo  # noqa: E402
 import rloo  # noqa: E402
 
 
-def main(algo: str, out: str, fsdp: bool, lora: bool) -> None:
-    rank, world, device = ppo.setup_distributed()
+def one_step(algo: str, out: Path, fsdp: bool, lora: bool, rank: int, world: int, device: torch.device) -> None:
     torch.manual_seed(0)
     tokenizer = ppo.build_tokenizer()
     policy, ref = ppo.build_tiny_model(tokenizer), ppo.build_tiny_model(tokenizer).requires_grad_(False)
@@ -69,13 +69,19 @@ def main(algo: str, out: str, fsdp: bool, lora: bool) -> None:
     weights["packed"] = any(vars(m).get("checks", {}).get("packs", False) for m in models)  # the layout packed
     if rank == 0:
         torch.save(weights, out)
+
+
+def main(algo: str, out: str, modes: list[str]) -> None:
+    rank, world, device = ppo.setup_distributed()
+    for mode in modes:
+        one_step(algo, Path(out) / f"{mode}.pt", "fsdp" in mode, "lora" in mode, rank, world, device)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()  # as the scripts do: no process tears the group down while another still uses it
         torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], "--fsdp" in sys.argv, "--lora" in sys.argv)
+    main(sys.argv[1], sys.argv[2], sys.argv[3:])
     if "LOCAL_RANK" in os.environ:  # under torchrun: all is saved and the group torn down; skip interpreter
         sys.stdout.flush()          # teardown, where gloo's leftover threads can abort the process (SIGABRT)
         sys.stderr.flush()

@@ -76,33 +76,32 @@ def test_lora_under_fsdp_saves_the_merged_model_and_the_adapter_which_agree(tmp_
 def test_one_step_equal_with_one_and_two_processes(algo, tmp_path):
     """Same global batch, one SGD step: 2 processes (data parallel or FSDP2) give the 1-process parameters within
     1e-6 (float32 sums in another order). rloo-masks: the token masks decide on all processes' tokens alike."""
-    out = {}
-    modes = [(1, ""), (2, ""), (2, "--fsdp"), (1, "--lora"), (2, "--lora")]
-    modes += [(2, "--fsdp --lora")] if algo == "ppo" else []  # the sharding is the scripts' shared machinery
-    for n, mode in modes:
-        path = tmp_path / f"{n}{mode}.pt"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n),
-               str(ROOT / "tests" / "dist_one_step.py"), algo, str(path), *mode.split()]
+    modes = {1: ["plain", "lora"], 2: ["plain", "fsdp", "lora"] + (["fsdp+lora"] if algo == "ppo" else [])}
+    out = {}  # the sharding is the scripts' shared machinery: FSDP2 with LoRA once
+    for n, launcher in [(1, []), (2, ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"])]:
+        folder = tmp_path / str(n)
+        folder.mkdir()
+        cmd = [sys.executable, *launcher, str(ROOT / "tests" / "dist_one_step.py"), algo, str(folder), *modes[n]]
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert result.returncode == 0, result.stderr[-4000:]
-        out[(n, mode)] = torch.load(path)
+        out.update({(n, mode): torch.load(folder / f"{mode}.pt") for mode in modes[n]})
     torch.manual_seed(0)
     initial = ppo.build_tiny_model(ppo.build_tokenizer()).state_dict()
-    assert any(not torch.equal(out[(1, "")][f"0.{k}"], v) for k, v in initial.items())  # the step did move
+    assert any(not torch.equal(out[(1, "plain")][f"0.{k}"], v) for k, v in initial.items())  # the step did move
     assert all(result["packed"] for result in out.values())  # on packed rows, FSDP2 and LoRA included
-    assert 0.2 < out[(1, "")]["loss_token_frac"] < 0.8 or algo != "rloo-masks"  # the masks dropped some tokens
+    assert 0.2 < out[(1, "plain")]["loss_token_frac"] < 0.8 or algo != "rloo-masks"  # the masks dropped some tokens
     for result in out.values():
         result.pop("loss_token_frac")  # a process's own share
-    for key in [(2, ""), (2, "--fsdp")]:
-        for name, value in out[(1, "")].items():
+    for key in [(2, "plain"), (2, "fsdp")]:
+        for name, value in out[(1, "plain")].items():
             torch.testing.assert_close(torch.as_tensor(out[key][name]), torch.as_tensor(value), atol=1e-6, rtol=0)
     # LoRA under data parallelism and under FSDP2: the adapters' gradients are averaged like any others, and the
     # reference, the policy with its (perturbed) adapters off, is the same model sharded or not: the same KL
-    assert abs(out[(1, "--lora")]["kl"]) > 1e-3
-    for mode in [mode for n, mode in modes if n == 2 and "--lora" in mode]:
-        assert out[(2, mode)].keys() == out[(1, "--lora")].keys()
-        for name, value in out[(1, "--lora")].items():
+    assert abs(out[(1, "lora")]["kl"]) > 1e-3
+    for mode in [mode for mode in modes[2] if "lora" in mode]:
+        assert out[(2, mode)].keys() == out[(1, "lora")].keys()
+        for name, value in out[(1, "lora")].items():
             torch.testing.assert_close(torch.as_tensor(out[(2, mode)][name]), torch.as_tensor(value), atol=1e-6,
                                        rtol=0)
 
