@@ -45,7 +45,8 @@ def run_main(script: str, *args: str, cwd: Path | None = None, env: dict | None 
     run_script would: the exit code, stdout, and stderr ending with what Python prints when it exits, the message of
     SystemExit("...") (exit code 1) or the traceback of any other exception. For the bad-input tests, the docs'
     commands and short runs of one process, where a new process spends 6-9 s importing torch, transformers and peft
-    (tests/test_cli.py checks that both ways end alike); resumes, kills, torchrun, --compile and --track get processes.
+    (tests/test_cli.py checks that both ways end alike), and the runs that a resume is compared with or starts
+    from; resumes, kills, torchrun, --compile, --track and remote code get processes.
     Modules imported from the run's folder (the user's reward files) are forgotten afterwards, so the next run imports
     its own."""
     import torch

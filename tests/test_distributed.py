@@ -110,7 +110,7 @@ def test_one_step_equal_with_one_and_two_processes(algo, tmp_path):
 def test_sigkill_then_resume_equals_a_run_left_alone(script, tmp_path):
     args = [*TINY[script], "--total-episodes", "640", "--save-every", "2", "--keep-checkpoints", "3"]
     full, killed = tmp_path / "full", tmp_path / "killed"
-    assert run_script(script, *args, "--output-dir", full).returncode == 0
+    assert run_main(script, *args, "--output-dir", full).returncode == 0
     run_killed_at(script, *args, "--output-dir", killed, checkpoint=killed / "checkpoints" / "iter_000006")
     assert not (killed / "model").exists()
     result = run_script(script, *args, "--output-dir", killed, "--resume", "latest")
@@ -123,7 +123,7 @@ def test_sigkill_then_resume_equals_a_run_left_alone(script, tmp_path):
 
 def test_resume_latest_skips_half_written_checkpoints(tmp_path):
     run = tmp_path / "run"
-    assert run_script("ppo.py", *TINY["ppo.py"], "--save-every", "2", "--output-dir", run).returncode == 0
+    assert run_main("ppo.py", *TINY["ppo.py"], "--save-every", "2", "--output-dir", run).returncode == 0
     shutil.copytree(run / "checkpoints" / "iter_000004", run / "checkpoints" / "iter_000006.tmp")  # a crash mid-write
     (run / "checkpoints" / "iter_000008").mkdir()  # a folder without state.pt
     assert ppo.find_checkpoint("latest", run).name == "iter_000004"

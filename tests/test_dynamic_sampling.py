@@ -83,7 +83,7 @@ def test_without_signal_the_rounds_run_out_and_the_stream_moves_by_each(rewards_
 def test_dynamic_sampling_resumes_exactly(rewards_dir):
     full, resumed = rewards_dir / "full", rewards_dir / "resumed"
     args = [*TINY, "--reward-fn", "my_rewards:half_flat", "--save-every", "2", "--keep-checkpoints", "0"]
-    result = run_script("rloo.py", *args, "--output-dir", full, cwd=rewards_dir)
+    result = run_main("rloo.py", *args, "--output-dir", full, cwd=rewards_dir)
     assert result.returncode == 0, result.stderr[-3000:]
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copytree(full / "checkpoints" / "iter_000002", resumed / "checkpoints" / "iter_000002")

@@ -137,7 +137,7 @@ def test_ppo_phase_and_no_recipe_name(tmp_path):
 def test_resume_in_the_middle_of_a_schedule(tmp_path):
     args = ["rl-with-sft-on-failures", *TINY, "--total-steps", "8", "--save-every", "4", "--keep-checkpoints", "0"]
     full = tmp_path / "full"
-    assert run_script("interleave.py", *args, "--output-dir", full).returncode == 0
+    assert run_main("interleave.py", *args, "--output-dir", full).returncode == 0
     resumed = tmp_path / "resumed"
     shutil.copytree(full / "checkpoints" / "iter_000004", resumed / "checkpoints" / "iter_000004")
     lines = (full / "metrics.jsonl").read_text().splitlines()
@@ -174,7 +174,7 @@ def test_failures_holding_numpy_numbers_and_dates_are_checkpointed_and_resumed(t
     (tmp_path / "my_rows.py").write_text(NUMPY_ROWS)
     args = ["rl-with-sft-on-failures", *TINY, "--rloo.prompt-fn", "my_rows:sums", "--rloo.reward-fn", "my_rows:exact",
             "--save-every", "2", "--output-dir", tmp_path / "run"]
-    first = run_script("interleave.py", *args, "--total-steps", "2", cwd=tmp_path)
+    first = run_main("interleave.py", *args, "--total-steps", "2", cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
     state = torch.load(tmp_path / "run" / "checkpoints" / "iter_000002" / "state.pt", weights_only=True)
     failures = state["failures"][0]  # one buffer per process

@@ -12,7 +12,7 @@ from transformers import AutoModelForTokenClassification
 import interleave
 import ppo
 import rloo
-from conftest import assert_merged_is_base_plus_adapter, run_script
+from conftest import assert_merged_is_base_plus_adapter, run_main, run_script
 from test_ppo import batch
 
 PHASES = ["--phases", "sft", "ppo", "rloo", "prm", "--eval-every", "4", "--sft.batch-size", "8", "--rloo.batch-size",
@@ -61,7 +61,7 @@ def test_a_lora_run_saves_merged_models_and_adapters_and_resumes_exactly(tmp_pat
             "--rloo.learning-rate", "1e-2", "--ppo.learning-rate", "1e-2", "--total-steps", "8", "--save-every", "4",
             "--keep-checkpoints", "0"]
     full = tmp_path / "full"
-    result = run_script("interleave.py", *args, "--output-dir", full)
+    result = run_main("interleave.py", *args, "--output-dir", full)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in (full / "metrics.jsonl").read_text().splitlines()]
     assert [r["phase"] for r in rows[1:]] == ["sft", "ppo", "rloo", "prm"] * 2

@@ -17,7 +17,7 @@ from transformers import LlamaForCausalLM, LlamaForSequenceClassification, Llama
 
 import ppo
 import rloo
-from conftest import assert_one_line_error, run_script
+from conftest import assert_one_line_error, run_main, run_script
 
 # ---- prompt rows: every row of a batch has the same keys (item 6) ------------------------------------------------
 
@@ -45,8 +45,8 @@ def test_check_rows_wants_the_same_keys_in_every_row(module):
 @pytest.mark.parametrize("script", ["ppo.py", "rloo.py"])
 def test_prompt_fn_rows_with_different_keys_stop_with_one_line(script, tmp_path):
     (tmp_path / "my_prompts.py").write_text(PROMPTS)
-    result = run_script(script, "--prompt-fn", "my_prompts:uneven", "--reward-fn", "my_prompts:exact",
-                        "--output-dir", tmp_path / "run", cwd=tmp_path, timeout=300)
+    result = run_main(script, "--prompt-fn", "my_prompts:uneven", "--reward-fn", "my_prompts:exact",
+                      "--output-dir", tmp_path / "run", cwd=tmp_path)
     assert_one_line_error(result, "--prompt-fn", "different keys", "same keys in every row")
 
 
@@ -286,7 +286,7 @@ def saved_run(request, tmp_path_factory) -> tuple[str, Path, str]:
     """A short run of each script that writes a checkpoint after every iteration: (script, run folder, stderr)."""
     script = request.param
     out = tmp_path_factory.mktemp(script.removesuffix(".py")) / "run"
-    result = run_script(script, *RUNS[script], *SAVE, "--output-dir", out)
+    result = run_main(script, *RUNS[script], *SAVE, "--output-dir", out)
     assert result.returncode == 0, result.stderr[-3000:]
     return script, out, result.stderr
 

@@ -121,7 +121,7 @@ def test_a_lora_run_saves_the_merged_model_and_the_adapter_which_give_the_same_l
 def test_a_lora_run_resumes_exactly(script, tmp_path):
     full = tmp_path / "full"
     args = [*TINY, "--total-episodes", "64", "--save-every", "2", "--keep-checkpoints", "0", "--lora-r", "4"]
-    result = run_script(script, *args, "--output-dir", full)
+    result = run_main(script, *args, "--output-dir", full)
     assert result.returncode == 0, result.stderr[-3000:]
     resumed = tmp_path / "resumed"
     (resumed / "checkpoints").mkdir(parents=True)

@@ -103,7 +103,7 @@ def test_gradient_checkpointing_changes_no_run_of_a_pretrained_model(tmp_path, t
 def lora_run(tmp_path_factory):
     """A built-in run with LoRA and checkpointing: 4 steps, checkpoints at steps 2 and 4."""
     out = tmp_path_factory.mktemp("prm_lora") / "full"
-    result = run_script("stepwise_prm.py", *LORA, "--output-dir", out)
+    result = run_main("stepwise_prm.py", *LORA, "--output-dir", out)
     assert result.returncode == 0, result.stderr[-3000:]
     return out
 

@@ -69,7 +69,7 @@ def finished(result, run_dir) -> list[dict]:
 def test_a_lora_run_killed_at_a_checkpoint_resumes_as_left_alone_and_refuses_other_adapters(script, tmp_path):
     args = [*task(tmp_path, script), "--lora-r", "4", "--save-every", "4", "--keep-checkpoints", "3"]
     full, killed = tmp_path / "full", tmp_path / "killed"
-    rows = finished(run_script(script, *args, "--output-dir", full), full)
+    rows = finished(run_main(script, *args, "--output-dir", full), full)
     assert len({round(r["val/response_length"], 3) for r in rows[1:]}) > 6  # responses ended at varied points
     run_killed_at(script, *args, "--output-dir", killed, checkpoint=killed / "checkpoints" / "iter_000004")
     resumed = run_script(script, *args, "--output-dir", killed, "--resume", "latest")
@@ -123,7 +123,7 @@ def test_bf16_model_folders_train_in_fp32(tmp_path):
     for script in ("ppo.py", "rloo.py"):
         args = [*task(tmp_path, script), "--model", tmp_path / "policy", "--reward-model", tmp_path / "reward",
                 "--learning-rate", "1e-3", "--save-every", "12", "--output-dir", tmp_path / script]
-        finished(run_script(script, *args), tmp_path / script)
+        finished(run_main(script, *args), tmp_path / script)
         saved = tmp_path / script / "checkpoints" / "iter_000012"
         weights = [load_file(f) for part in ("policy", "value") for f in (saved / part).glob("*.safetensors")]
         assert {t.dtype for w in weights for t in w.values()} == {torch.float32}

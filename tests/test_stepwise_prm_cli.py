@@ -103,7 +103,7 @@ def test_wandb_offline(tmp_path):
 def test_save_then_resume_gives_the_same_run(tmp_path):
     full = tmp_path / "full"
     args = [*TINY, "--save-every", "2", "--keep-checkpoints", "0"]
-    result = run_script("stepwise_prm.py", *args, "--output-dir", full)
+    result = run_main("stepwise_prm.py", *args, "--output-dir", full)
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(p.name for p in (full / "checkpoints").iterdir()) == ["iter_000002", "iter_000004"]
     # a second run folder holding what the first had after step 2: the checkpoint and the metrics rows so far

@@ -76,7 +76,7 @@ def test_every_script_takes_weight_decay_and_anneals_every_group(script, tmp_pat
 def test_a_run_with_weight_decay_resumes_exactly(script, tmp_path):
     args = ["--total-episodes", "48", "--batch-size", "16", "--num-mini-batches", "2", "--weight-decay", "0.1",
             "--save-every", "1", "--keep-checkpoints", "0", "--eval-every", "3"]
-    full = run_script(script, *args, "--output-dir", tmp_path / "full")
+    full = run_main(script, *args, "--output-dir", tmp_path / "full")
     assert full.returncode == 0, full.stderr[-3000:]
     (tmp_path / "resumed" / "checkpoints").mkdir(parents=True)
     shutil.copytree(tmp_path / "full" / "checkpoints" / "iter_000001",
@@ -96,7 +96,7 @@ def test_a_resume_takes_the_new_weight_decay_and_refuses_turning_it_on_or_off(sc
     traceback. Now the new value trains, and turning decay on or off is refused in one line."""
     args = [*RUNS[script], "--save-every", "1", "--eval-every", "100", "--output-dir", tmp_path / "run"]
     longer = lambda n: ["--total-steps", str(n)] if "prm" in script else ["--total-episodes", str(16 * n)]  # noqa: E731
-    assert run_script(script, *args, "--weight-decay", "0.1").returncode == 0
+    assert run_main(script, *args, "--weight-decay", "0.1").returncode == 0
     resumed = run_script(script, *args, "--weight-decay", "0.3", *longer(3), "--resume", "latest")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     state = torch.load(tmp_path / "run" / "checkpoints" / "iter_000003" / "state.pt", weights_only=True)
