@@ -14,7 +14,7 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
-from conftest import ROOT, run_main, run_script
+from conftest import ROOT, run_main
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import real_model  # noqa: E402
@@ -61,8 +61,8 @@ def read_rows(path) -> list[dict]:
 
 def test_the_benchmark_runs_end_to_end_on_a_tiny_model(tiny_chat_model, tmp_path):
     out, png = tmp_path / "runs", tmp_path / "real_model.png"
-    result = run_script("benchmarks/real_model.py", "--model-folder", tiny_chat_model, "--out", out,
-                        "--episodes-scale", SCALE, "--plot", png, timeout=300)
+    result = run_main("benchmarks/real_model.py", "--model-folder", tiny_chat_model, "--out", out,
+                      "--episodes-scale", SCALE, "--plot", png)  # the runs it starts are processes
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert "it/s" not in result.stdout + result.stderr  # the runs' progress bars went to their logs
     lines = result.stdout.strip().splitlines()
@@ -128,8 +128,8 @@ def test_vs_trl_runs_rloo_grpo_and_trl_grpotrainer_at_the_same_evaluation_points
     TRL side is skipped in one line and our side still runs. --eval-num-samples 2 then gives pass@k of the base model
     and of our side's final model, rloo.py's own iteration-0 evaluation with nothing trained."""
     out, png = tmp_path / "runs", tmp_path / "vs_trl.png"
-    result = run_script("benchmarks/real_model.py", "--vs-trl", "--model-folder", tiny_chat_model, "--out", out,
-                        "--episodes-scale", SCALE, "--plot", png, "--eval-num-samples", "2", timeout=600)
+    result = run_main("benchmarks/real_model.py", "--vs-trl", "--model-folder", tiny_chat_model, "--out", out,
+                      "--episodes-scale", SCALE, "--plot", png, "--eval-num-samples", "2")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     has_trl = (ROOT / "benchmarks" / ".trl-venv" / "bin" / "python").exists()
     lines = result.stdout.strip().splitlines()
@@ -195,8 +195,8 @@ def test_real_lengths_splits_each_iteration_into_its_parts(tiny_chat_model, tmp_
     """--real-lengths at the tiny model's scale (replies of up to 128 tokens, 5 steps of 32 responses) for our two
     sides (TRL's need their own environments): a row each, whose parts add up to no more than its step, padded shares
     in [0, 1) read from the runs' splits, and one decode step timed at four batch sizes."""
-    result = run_script("benchmarks/real_model.py", "--real-lengths", "--runs", "rloo-grpo", "ppo", "--model-folder",
-                        tiny_chat_model, "--out", tmp_path, timeout=600)
+    result = run_main("benchmarks/real_model.py", "--real-lengths", "--runs", "rloo-grpo", "ppo", "--model-folder",
+                      tiny_chat_model, "--out", tmp_path)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     lines = result.stdout.strip().splitlines()
     header = lines.index(next(line for line in lines if line.startswith("| side | s/iter | generation |")))
