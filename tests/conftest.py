@@ -16,7 +16,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false",
-                  WANDB_SILENT="true", TRANSFORMERS_VERBOSITY="error", HF_DATASETS_DISABLE_PROGRESS_BARS="1")
+                  WANDB_SILENT="true", TRANSFORMERS_VERBOSITY="error", HF_DATASETS_DISABLE_PROGRESS_BARS="1",
+                  OMP_NUM_THREADS="1")  # one thread a test process, as in the processes the tests start: pytest -n 2
 
 
 def run_script(script: str, *args: str, cwd: Path | None = None, env: dict | None = None, timeout: int = 600,
