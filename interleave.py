@@ -319,10 +319,8 @@ def main(args: Args) -> None:
     # 2. One AdamW for the policy's phases (each step sets its phase's learning rate), or one per phase.
     value = [models["value"]] if "value" in models else []
     shared = adamw(policy, *value)
-    optimizers = {p: shared if args.shared_optimizer else adamw(policy, *(value if p == "ppo" else []))
-                  for p in args.phases if p != "prm"}
-    if "prm" in args.phases:
-        optimizers["prm"] = adamw(models["prm"])
+    own = lambda p: adamw(models["prm"]) if p == "prm" else adamw(policy, *(value if p == "ppo" else []))
+    optimizers = {p: shared if args.shared_optimizer and p != "prm" else own(p) for p in args.phases}  # the PRM's own
 
     # ---- per-process seeding, or the saved state of a resumed run
     random.seed(args.seed + rank)
