@@ -330,6 +330,17 @@ def response_values(value_model, queries, query_mask, responses, valid) -> torch
     return value_model(**inputs).logits.flatten(0, 1)[index, 0].float()  # [B, T]
 
 
+def token_classifier_from(lm, num_labels: int, flag: str, fix: str, trust_remote_code: bool = False) -> Any:
+    """A token classifier (value model, PRM) with a causal LM's weights under a fresh head, or one line with `fix`."""
+    config = copy.deepcopy(lm.config)
+    config.num_labels = num_labels
+    model = AutoModelForTokenClassification.from_config(config, trust_remote_code=trust_remote_code)
+    missing = model.load_state_dict(lm.state_dict(), strict=False).missing_keys
+    if any(k.startswith(model.base_model_prefix + ".") for k in missing):
+        fail(flag, lm.name_or_path, f"a token classifier cannot take this model's weights; {fix}")
+    return model
+
+
 def step_rewards(steps: list[tuple[int, float]], weight: float) -> list[tuple[int, float]]:
     """Process rewards of one response's (token index, p) steps as potential-based shaping (Ng et al. 1999): potential
     w x min(p_1..p_k) after step k, 0 before and at the end; each step the change (last token: -final). They sum to 0:
@@ -690,17 +701,6 @@ def fp32_output_layer(model: torch.nn.Module) -> torch.nn.Module:
 
     head = model.get_output_embeddings()
     head.forward = functools.partial(forward, head)  # deepcopy(model) binds the copy's to the copied head
-    return model
-
-
-def token_classifier_from(lm, num_labels: int, flag: str, fix: str, trust_remote_code: bool = False) -> Any:
-    """A token classifier (value model, PRM) with a causal LM's weights under a fresh head, or one line with `fix`."""
-    config = copy.deepcopy(lm.config)
-    config.num_labels = num_labels
-    model = AutoModelForTokenClassification.from_config(config, trust_remote_code=trust_remote_code)
-    missing = model.load_state_dict(lm.state_dict(), strict=False).missing_keys
-    if any(k.startswith(model.base_model_prefix + ".") for k in missing):
-        fail(flag, lm.name_or_path, f"a token classifier cannot take this model's weights; {fix}")
     return model
 
 

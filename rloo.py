@@ -803,17 +803,6 @@ def fp32_output_layer(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def token_classifier_from(lm, num_labels: int, flag: str, fix: str, trust_remote_code: bool = False) -> Any:
-    """A token classifier (value model, PRM) with a causal LM's weights under a fresh head, or one line with `fix`."""
-    config = copy.deepcopy(lm.config)
-    config.num_labels = num_labels
-    model = AutoModelForTokenClassification.from_config(config, trust_remote_code=trust_remote_code)
-    missing = model.load_state_dict(lm.state_dict(), strict=False).missing_keys
-    if any(k.startswith(model.base_model_prefix + ".") for k in missing):
-        fail(flag, lm.name_or_path, f"a token classifier cannot take this model's weights; {fix}")
-    return model
-
-
 def with_lora(model, lora: MemoryArgs) -> torch.nn.Module:
     """The model with fresh LoRA adapters (peft; they and a classifier's head train) and --gradient-checkpointing."""
     if lora.gradient_checkpointing:

@@ -29,7 +29,8 @@ command then exits non-zero after the table and the failures' last lines.
 Then two tables at uneven lengths (a stop string ends a response at a random token, some run to the cap): one decode
 step at the batch size, a half, a quarter and an eighth of it (what dropping finished rows from the decode loop saves
 on this device), and `ppo.py` and `rloo.py grpo` at the batch size and 4 times it (the tiny size: the batch size
-alone, which runs the same code), 5 iterations each, with each iteration split into its parts as benchmarks/real_model.py --real-lengths splits it (the median of steps 2-4).
+alone, which runs the same code), 5 iterations each, with each iteration split into its parts as
+benchmarks/real_model.py --real-lengths splits it (the median of steps 2-4).
 """
 
 import argparse
@@ -271,8 +272,9 @@ def step_times(folder: Path, size: Size, device: torch.device) -> str:
 
 
 def split_rows(folder: Path, size: Size, deadline: float, failures: list[str]) -> list[str]:
-    """ppo.py and rloo.py grpo at the batch size and 4 times it (tiny: the batch size), 5 iterations each at uneven lengths (--stop-strings
-    e: a random model's token holds an "e" now and then), under real_model.py's PROFILE: one row each."""
+    """ppo.py and rloo.py grpo at the batch size and 4 times it (tiny: the batch size), 5 iterations each at uneven
+    lengths (--stop-strings e: a random model's token holds an "e" now and then), under real_model.py's PROFILE: one
+    row each."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import real_model
 
