@@ -739,8 +739,7 @@ def adamw(models: list, lr: float, weight_decay: float, eps: float = 1e-5) -> to
 
 
 def check_update(hp) -> None:
-    """The update's flags that ppo.py and rloo.py share, before anything loads: the temperature above 0, passes and
-    splits at least 1, the gradient clip and the sampler correction's cap above 0 (at 0 nothing trains, in silence)."""
+    """The update's flags that ppo.py and rloo.py share, checked before anything loads."""
     if hp.temperature <= 0:
         fail("--temperature", hp.temperature, "must be > 0: the logits are divided by it (evaluation is greedy anyway)")
     for flag, value in (("--num-ppo-epochs", hp.num_ppo_epochs), ("--num-mini-batches", hp.num_mini_batches),
