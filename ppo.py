@@ -1121,12 +1121,12 @@ def static_cache(model, batch_size: int, length: int) -> StaticCache:
 
 @functools.cache
 def decode_step(mode: str | None = None) -> Callable:
-    """step(model, token, position_ids [B, 1], attention_mask, cache): the model's logits [B, V] of one new token a row,
+    """step(model, ids, position_ids [B, t], attention_mask, cache): the model's logits [B, V] at each row's last token,
     filling the cache; with a mode, compiled once per process: one whole graph for every batch size and cache length
     (dynamic: fixed shapes met dynamo's recompile limit, 8, within a run); "reduce-overhead": a CUDA graph a shape."""
-    def step(model, token, position_ids, attention_mask, cache) -> torch.Tensor:
-        return model(input_ids=token, position_ids=position_ids, attention_mask=attention_mask, cache=cache,
-                     use_cache=True).logits[:, -1]
+    def step(model, ids, position_ids, attention_mask, cache) -> torch.Tensor:
+        return model(input_ids=ids, position_ids=position_ids, attention_mask=attention_mask, cache=cache,
+                     use_cache=True, logits_to_keep=1).logits[:, -1]
 
     return step if mode is None else torch.compile(step, fullgraph=True, dynamic=True, mode=mode)
 
@@ -1150,8 +1150,7 @@ def decode_loop(model, queries: torch.Tensor, attention_mask: torch.Tensor, gen:
     mask = torch.nn.functional.pad(attention_mask, (0, C - Lq), value=1)  # [B, C]: 0 on left padding only
     step = decode_step(gen.compile_config.mode if compiled else None)
     with torch.compiler.set_stance("force_eager"):  # compiled, the cache's first fill is unfit for CUDA graphs
-        logits = model(input_ids=queries, attention_mask=mask[:, :C if compiled else Lq], use_cache=True,
-                       position_ids=position_ids_from(attention_mask), logits_to_keep=1, cache=cache).logits[:, -1]
+        logits = step(model, queries, position_ids_from(attention_mask), mask[:, :C if compiled else Lq], cache)
     ids = torch.nn.functional.pad(queries, (0, T), value=gen.pad_token_id)  # [B, Lq + T]: prompts, then responses
     position = attention_mask.sum(1, keepdim=True)  # [B, 1]: each row's first new position
     done = torch.zeros(B, dtype=torch.bool, device=queries.device)
