@@ -1257,9 +1257,9 @@ def decode_loop(model, queries: torch.Tensor, attention_mask: torch.Tensor, gen:
     rows, stepped = slice(None), B  # the batch's rows (all, or those left), and rows stepped in all
     penalty = gen.repetition_penalty not in (None, 1.0)  # on the tokens seen, left padding not (generate's way)
     for t in range(T):
-        u = torch.rand(B, 1, device=queries.device) if gen.do_sample else None  # every row's: the same draws always
+        u = torch.rand(B, 1, device=queries.device)[rows] if gen.do_sample else None  # B drawn: as if no row left
         seen = ids[rows, :Lq + t].where(mask[rows, :Lq + t].bool(), ids[rows, Lq - 1:Lq]) if penalty else None
-        token, logprob = next_token(logits, seen, gen, t, None if u is None else u[rows])  # [b], [b]
+        token, logprob = next_token(logits, seen, gen, t, u)  # [b], [b]
         token = token.masked_fill(done[rows], gen.pad_token_id)
         ids[rows, Lq + t], logprobs[rows, t] = token, logprob.masked_fill(done[rows], 0.0)
         done[rows] |= token == gen.eos_token_id
