@@ -1238,14 +1238,13 @@ def decode_loop(model, queries: torch.Tensor, attention_mask: torch.Tensor, gen:
     stop(new_ids [B, t]) in every process's rows; below gen.compact_below live, finished rows leave the batch."""
     (B, Lq), T, compiled = queries.shape, gen.max_new_tokens, gen.compile_config is not None
     power = 1 << max(4, (Lq + T - 1).bit_length())  # a static cache holds prompt and response: a power of 2 or 3/4 of
-    length = power * 3 // 4 if power * 3 // 4 >= Lq + T else power  # one, so a few lengths and <= 1.5x the tokens
-    cache = static_cache(model, B, length) if compiled else DynamicCache(config=model.config)
+    C = power * 3 // 4 if power * 3 // 4 >= Lq + T else power  # one, so a few lengths and <= 1.5x the tokens
+    cache = static_cache(model, B, C) if compiled else DynamicCache(config=model.config)
     # a sliding-window layer's static cache counts tokens in a Python int, frozen in a compiled step: eager then
     if compiled and any(type(layer) is not StaticLayer for layer in cache.layers):
         print_once(f"--compile: {type(model).__name__} keeps a sliding window (or another cache than a plain static "
                    "one) in some layer, which the compiled decode step cannot take: it decodes eagerly")
         compiled, cache = False, DynamicCache(config=model.config)
-    C = length if compiled else Lq + T
     mask = torch.nn.functional.pad(attention_mask, (0, C - Lq), value=1)  # [B, C]: 0 on left padding only
     step = decode_step(gen.compile_config.mode if compiled else None)
     with torch.compiler.set_stance("force_eager"):  # compiled, the cache's first fill is unfit for CUDA graphs
