@@ -1370,8 +1370,7 @@ def evaluate(policy, tokenizer, task: Task, sample: GenerationConfig, greedy: Ge
     device = next(policy.parameters()).device
     out = rollout(policy, tokenizer, rows, greedy, stop_strings, task)
     scores = out["scores"]  # [B]
-    samples = [{"prompt": p, "completion": t, "score": s}
-               for p, t, s in zip(out["prompts"], out["texts"], scores.tolist())]
+    samples = [dict(prompt=p, completion=t, score=s) for p, t, s in zip(out["prompts"], out["texts"], scores.tolist())]
     ks, vote = [2 ** i for i in range(n.bit_length())], n > 0 and task.answer_fn is not None  # k = 1, 2, 4, ... <= N
     hits = torch.zeros(len(ks) + vote, dtype=torch.float64)  # summed over this process's rows: pass@k, maj@N
     if n:
@@ -1537,8 +1536,7 @@ def sampler_metrics(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, 
     """The sampler's logprobs [B, T] against the trainer's old ones on mask [B, T], as TRL logs them."""
     diff = (old_logprobs - sampler_logprobs)[mask] if mask.any() else torch.zeros(1, device=mask.device)  # [N]
     ratio = diff.exp()
-    return {"sampling/sampling_logp_difference/mean": diff.abs().mean().item(),
-            "sampling/sampling_logp_difference/max": diff.abs().max().item(),
+    return {**{f"sampling/sampling_logp_difference/{f}": getattr(diff.abs(), f)().item() for f in ("mean", "max")},
             **{f"sampling/importance_sampling_ratio/{f}": getattr(ratio, f)().item() for f in ("min", "mean", "max")}}
 
 
