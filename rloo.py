@@ -1612,9 +1612,7 @@ def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
     for m in model.modules():
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0
-        for name, value in list(vars(m).items()):
-            if "dropout" in name and isinstance(value, float):
-                setattr(m, name, 0.0)
+        vars(m).update({name: 0.0 for name, value in vars(m).items() if "dropout" in name and isinstance(value, float)})
     return model
 
 
