@@ -400,11 +400,9 @@ def policy_losses(logprobs: torch.Tensor, old_logprobs: torch.Tensor, adv: torch
         tau = torch.where(adv > 0, hp.sapo_temperature_pos, hp.sapo_temperature_neg)
         losses = -adv * torch.sigmoid(tau * (ratio - 1)) * 4 / tau
     elif hp.loss_type == "vespo":  # VESPO: -sg(phi) A log pi, phi = w^k exp(lambda (1 - w)) of the response's ratio w
-        with torch.no_grad():  # w and phi in log space, clamped as TRL (and the paper's code)
-            log_w = (token_log_ratio.clamp(-20, 20) * mask).sum(1, keepdim=True)  # [b, 1]
-            if weight is not None:
-                log_w += (weight.log().clamp(math.log(1e-8), 20) * mask).sum(1, keepdim=True)
-            log_w = log_w.clamp(math.log(1e-8), 20)
+        with torch.no_grad():  # w and phi in log space, clamped as TRL (and the paper's code); w includes the weight
+            log_w = token_log_ratio.clamp(-20, 20) + (0 if weight is None else weight.log().clamp(math.log(1e-8), 20))
+            log_w = (log_w * mask).sum(1, keepdim=True).clamp(math.log(1e-8), 20)  # [b, 1]
             k = torch.where(adv >= 0, hp.vespo_k_pos, hp.vespo_k_neg)
             lam = torch.where(adv >= 0, hp.vespo_lambda_pos, hp.vespo_lambda_neg).clamp(min=1e-4)
             extra["policy/vespo_phi_avg"] = (lam + k * log_w - lam * log_w.exp()).exp().nan_to_num(0.0, 0.0, 0.0)
