@@ -639,15 +639,14 @@ def main(args: Args) -> None:
         # 8. Rollout: anneal the lr, this process's share of the prompts, k samples each, rewards; DAPO's rounds.
         for group in optimizer.param_groups:
             group["lr"] = lr * (1 - (iteration - 1) / num_iterations) if args.anneal_lr else lr
-        kept, aside, rounds, live = [], [], 0, []
-        while rounds == 0 or (args.dynamic_sampling and rounds < args.max_sampling_rounds and global_sum(
+        kept, aside, rounds = [], [], []  # rounds: each sampling round's decode_live_frac
+        while not rounds or (args.dynamic_sampling and len(rounds) < args.max_sampling_rounds and global_sum(
                 torch.tensor(float(len(kept) < local_prompts), device=device)) > 0):
-            rounds += 1
             prompts = draw_rows(task, state["prompt_state"], args.batch_size // hp.rloo_k, args.seed)
             rows = [r for r in prompts[rank * local_prompts:(rank + 1) * local_prompts] for _ in range(hp.rloo_k)]
             with autocast(hp.dtype, device):
                 out = rollout(policy, tokenizer, rows, sample, gen.stop_strings, task)
-            live.append(out["decode_live_frac"])
+            rounds.append(out["decode_live_frac"])
             out["rewards"] = sequence_rewards(out["scores"], out["process"], hp.prm_aggregate, args.task.prm_weight)
             for i in range(0, len(rows), hp.rloo_k):  # each group's k rows of every tensor
                 group = {key: v[i:i + hp.rloo_k] for key, v in out.items() if torch.is_tensor(v)}
@@ -664,8 +663,8 @@ def main(args: Args) -> None:
             fail("--skip-nonfinite", False, f"{e} at iteration {iteration}: the run stops here, its last good "
                  "checkpoint kept; lower --learning-rate, check the rewards, or pass --skip-nonfinite")
         # 10. Log: metrics averaged over processes (counts summed), a row per iteration; evaluation every --eval-every.
-        metrics |= {"sampling/rounds": rounds, "sampling/equal_frac": len(aside) / (rounds * local_prompts),
-                    "sampling/decode_live_frac": sum(live) / rounds,
+        metrics |= {"sampling/rounds": len(rounds), "sampling/equal_frac": len(aside) / (len(rounds) * local_prompts),
+                    "sampling/decode_live_frac": sum(rounds) / len(rounds),
                     "sampling/decode_shapes": len(vars(policy).get("decode_caches", ()))}  # static caches (--compile)
         state["episode"] += args.batch_size
         row = {"iteration": iteration, "episode": state["episode"], "elapsed_s": round(time.time() - t0, 3),
