@@ -5,17 +5,16 @@
 # ///
 """RLOO (REINFORCE leave-one-out) for language models, and the GRPO family, in one file.
 
-Ahmadian et al. 2024, "Back to Basics" (arXiv 2402.14740), after Kool et al. 2019: k samples a prompt, each baselined
-by the other k - 1's mean reward, so no value model. GRPO, Dr. GRPO, DAPO and GSPO are switches (RECIPES, named as
-TRL names them). docs/rloo.md explains every numbered step and every logged metric.
+Ahmadian et al. 2024, "Back to Basics" (arXiv 2402.14740), after Kool et al. 2019: k samples a prompt, each baselined by
+the other k - 1's mean reward, so no value model. GRPO, Dr. GRPO, DAPO and GSPO are switches (RECIPES, named as TRL
+names them). docs/rloo.md explains every numbered step and every logged metric. Custom loops import `rloo_step`.
 
     python rloo.py                                      # built-in task: single-digit addition, tiny model, offline
     python rloo.py grpo --model Qwen/Qwen2.5-0.5B-Instruct --dataset prompts.jsonl --reward-fn my_rewards.py:score
 
-The machinery below the marker is ppo.py's, copied (tests/test_copies.py). Custom loops import `rloo_step`.
-Left out: an inference engine such as vLLM (generation is the model's own forward), asynchronous rollouts (each
-update waits for its batch; one update per generation unless --num-ppo-epochs or --num-mini-batches say more),
-tensor and pipeline parallelism (FSDP2 at most)."""
+The machinery below the marker is ppo.py's, copied (tests/test_copies.py). Left out: an inference engine such as vLLM
+(generation is the model's own forward), asynchronous rollouts (each update waits for its batch; one update per
+generation unless --num-ppo-epochs or --num-mini-batches say more), tensor and pipeline parallelism (FSDP2 at most)."""
 
 from __future__ import annotations
 
