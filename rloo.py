@@ -449,10 +449,9 @@ def aggregate_loss(losses: torch.Tensor, mask: torch.Tensor, loss_type: str, tok
 
 def sequence_rewards(scores: torch.Tensor, process: list | None, aggregate: str, weight: float) -> torch.Tensor:
     """What rloo_step gets: the scores [B] plus weight x each response's aggregated PRM step scores (0 if none)."""
-    if process is None:
-        return scores
-    agg = {"min": min, "mean": lambda x: sum(x) / len(x), "last": lambda x: x[-1]}[aggregate]
-    return scores + weight * torch.tensor([agg([p for _, p in steps]) if steps else 0.0 for steps in process])
+    aggregates = {"min": min, "mean": lambda x: sum(x) / len(x), "last": lambda x: x[-1]}
+    return scores if process is None else scores + weight * torch.tensor(
+        [aggregates[aggregate]([p for _, p in steps]) if steps else 0.0 for steps in process])
 
 
 def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: torch.Tensor, rewards: torch.Tensor,
