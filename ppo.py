@@ -657,8 +657,9 @@ def load_callable(spec: str, flag: str) -> Callable:
         sys.path.insert(0, os.getcwd())
     try:
         fn = runpy.run_path(target).get(name) if target.endswith(".py") else pkgutil.resolve_name(spec)
-    except ImportError as e:
-        fail(flag, spec, f"cannot import {target} ({e}); check the module name and that it is on the path")
+    except (ImportError, ValueError) as e:  # ValueError: not a module name (my-rewards)
+        fail(flag, spec, f"cannot import {target} ({e}); check the module name and that it is on the path, or give "
+                         "its file: path/to/file.py:function")
     except AttributeError:
         fn = None
     if not callable(fn):
@@ -707,7 +708,7 @@ def fp32_output_layer(model: torch.nn.Module) -> torch.nn.Module:
 def with_lora(model, lora: MemoryArgs) -> torch.nn.Module:
     """The model with fresh LoRA adapters (peft; they and a classifier's head train) and --gradient-checkpointing."""
     if lora.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable()  # use_reentrant=False, transformers' default
         model.train()
     if lora.lora_r < 0:
         fail("--lora-r", lora.lora_r, "give the adapters' rank (0: no adapters, every weight trains)")

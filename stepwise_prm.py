@@ -511,7 +511,7 @@ def load_pretrained(auto_cls, name: str, flag: str, trust_remote_code: bool = Fa
 def with_lora(model, lora: MemoryArgs) -> torch.nn.Module:
     """The model with fresh LoRA adapters (peft; they and a classifier's head train) and --gradient-checkpointing."""
     if lora.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable()  # use_reentrant=False, transformers' default
         model.train()
     if lora.lora_r < 0:
         fail("--lora-r", lora.lora_r, "give the adapters' rank (0: no adapters, every weight trains)")
