@@ -38,7 +38,7 @@ from tqdm import tqdm
 import ppo
 import stepwise_prm
 from ppo import PPOHParams, TaskArgs, fail, ppo_step
-from rloo import RLOOHParams, kl_estimator_for, rloo_step, sequence_rewards
+from rloo import RLOOHParams, check_group_update, rloo_step, sequence_rewards
 from stepwise_prm import prm_step
 
 PHASES = ("sft", "ppo", "rloo", "prm")
@@ -554,11 +554,8 @@ def check_args(args: Args) -> bool:
         with phase_flags(p):
             builtin = ppo.check_task(getattr(args, p).task) and builtin
             ppo.check_update(getattr(args, p).hp)
-    if "rloo" in args.phases:
-        try:
-            kl_estimator_for(args.rloo.hp)
-        except ValueError as e:
-            fail("--rloo.kl-estimator", args.rloo.hp.kl_estimator, str(e))
+            if p == "rloo":
+                check_group_update(args.rloo.hp)
     if "rloo" in args.phases and args.rloo.turn.batch_size % (args.rloo.hp.rloo_k * world):
         fail("--rloo.batch-size", args.rloo.turn.batch_size, f"must be divisible by --rloo.rloo-k "
              f"({args.rloo.hp.rloo_k}) x {world} process(es): each process samples whole groups of k")

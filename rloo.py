@@ -365,6 +365,20 @@ def kl_estimator_for(hp: RLOOHParams) -> str:
     return hp.kl_estimator
 
 
+def check_group_update(hp: RLOOHParams) -> None:
+    """The update's own flags, before anything loads (main and interleave.py; check_update has the shared ones)."""
+    if hp.rloo_k < 2:
+        fail("--rloo-k", hp.rloo_k, "needs at least 2 samples per prompt for a leave-one-out baseline")
+    try:
+        kl_estimator_for(hp)
+    except ValueError as e:
+        fail("--kl-estimator", hp.kl_estimator, str(e))
+    if hp.loss_type == "cispo" and hp.epsilon_high is None:
+        fail("--epsilon-high", None, "--loss-type cispo caps the ratio at --epsilon-high itself: give it (TRL: 5.0)")
+    if not 0 <= hp.top_entropy_quantile <= 1:
+        fail("--top-entropy-quantile", hp.top_entropy_quantile, "is a share of the tokens: from 0 to 1 (1: all)")
+
+
 def group_advantages(rewards: torch.Tensor, k: int, baseline: str, scale: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Advantages and baselines [B] of rewards [B], k contiguous per prompt: --baseline, --scale-rewards (TRL's std)."""
     grouped = rewards.view(-1, k)  # [P, k]
@@ -585,16 +599,7 @@ def main(args: Args) -> None:
     builtin = check_task(args.task)  # the task's flags checked whatever else is given
     gen.max_new_tokens = gen.max_new_tokens or (4 if builtin else 64)
     hp.max_completion_length = hp.max_completion_length or gen.max_new_tokens  # dr_grpo's constant
-    if hp.rloo_k < 2:
-        fail("--rloo-k", hp.rloo_k, "needs at least 2 samples per prompt for a leave-one-out baseline")
-    try:
-        kl_estimator_for(hp)
-    except ValueError as e:
-        fail("--kl-estimator", hp.kl_estimator, str(e))
-    if hp.loss_type == "cispo" and hp.epsilon_high is None:
-        fail("--epsilon-high", None, "--loss-type cispo caps the ratio at --epsilon-high itself: give it (TRL: 5.0)")
-    if not 0 <= hp.top_entropy_quantile <= 1:
-        fail("--top-entropy-quantile", hp.top_entropy_quantile, "is a share of the tokens: from 0 to 1 (1: all)")
+    check_group_update(hp)
     per_response = hp.importance_sampling_level != "token"  # TRL's warnings
     if rank == 0 and per_response != (hp.loss_type == "luspo") and hp.loss_type not in ("grpo", "sapo"):
         print(f"note: --loss-type {hp.loss_type} with --importance-sampling-level {hp.importance_sampling_level}: " + (

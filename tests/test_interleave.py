@@ -229,6 +229,10 @@ def test_rl_phases_with_a_prm_as_their_only_reward_train_on_its_step_scores(tmp_
     (["--rloo.batch-size", "10"], "--rloo.batch-size", ["divisible by --rloo.rloo-k"]),
     (["--rloo.num-ppo-epochs", "0"], "--rloo.num-ppo-epochs", ["at least 1"]),  # its steps trained nothing
     (["--rloo.max-grad-norm", "0"], "--rloo.max-grad-norm", ["> 0"]),  # before any step, named as here
+    (["--rloo.rloo-k", "1", "--rloo.batch-size", "4"], "--rloo.rloo-k", ["at least 2"]),  # rloo.py's own checks
+    (["--rloo.loss-type", "cispo"], "--rloo.epsilon-high", ["--rloo.loss-type cispo caps"]),
+    (["--rloo.top-entropy-quantile", "2"], "--rloo.top-entropy-quantile", ["from 0 to 1"]),
+    (["--rloo.kl-estimator", "k2", "--rloo.kl-in-reward"], "--rloo.kl-estimator", ["k2's is biased"]),
     (["--sft.max-grad-norm", "0"], "--sft.max-grad-norm", ["> 0"]),
     (["--phases", "ppo", "--ppo.sampler-correction-cap", "0"], "--ppo.sampler-correction-cap", ["> 0"]),
     (["--rloo.prompt-fn", "ppo:addition_prompt"], "--rloo.reward-fn", ["need a reward", "give --rloo.reward-fn"]),
