@@ -387,6 +387,8 @@ def ppo_step(policy, value_model, ref_policy, optimizer, queries: torch.Tensor, 
                          f"{hp.gradient_accumulation_steps} accumulation steps")
     if rewards.shape not in ((B,), (B, T)):  # [B, 1] would broadcast: the score on every token
         raise ValueError(f"rewards of shape {tuple(rewards.shape)}: give [B] = [{B}] or [B, T] = [{B}, {T}]")
+    if hp.kl_estimator not in ("k1", "k3"):  # a custom loop's; k2's value is a biased KL (kl_penalty)
+        raise ValueError(f"kl_estimator {hp.kl_estimator!r}: the reward takes the KL's value, so use k1 or k3")
     refuse_dropout(policy=policy, value_model=value_model, ref_policy=ref_policy)
     device = next(policy.parameters()).device
     queries, responses, rewards = queries.to(device), responses.to(device), rewards.to(device).float()

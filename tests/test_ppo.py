@@ -199,7 +199,7 @@ def test_masked_tokens_get_no_gradient_and_no_kl():
     assert metrics["objective/kl"] == pytest.approx(expected_kl, rel=1e-4, abs=1e-5)
 
 
-def test_ppo_step_rejects_a_batch_that_does_not_split_and_rewards_of_another_shape():
+def test_ppo_step_rejects_a_batch_that_does_not_split_rewards_of_another_shape_and_a_biased_kl():
     tokenizer, policy, ref, value, optimizer = make_models()
     queries, responses = batch(tokenizer, n=6)
     with pytest.raises(ValueError, match="does not split"):
@@ -208,6 +208,9 @@ def test_ppo_step_rejects_a_batch_that_does_not_split_and_rewards_of_another_sha
     with pytest.raises(ValueError, match=r"rewards of shape \(6, 1\): give \[B\] = \[6\] or \[B, T\]"):  # not broadcast
         ppo.ppo_step(policy, value, ref, optimizer, queries, responses, torch.ones(6, 1),
                      hp=ppo.PPOHParams(num_mini_batches=2), pad_token_id=tokenizer.pad_token_id)
+    with pytest.raises(ValueError, match="kl_estimator 'k2': the reward takes the KL's value"):  # custom loops' only
+        ppo.ppo_step(policy, value, ref, optimizer, queries, responses, torch.ones(6),
+                     hp=ppo.PPOHParams(num_mini_batches=2, kl_estimator="k2"), pad_token_id=tokenizer.pad_token_id)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
