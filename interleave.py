@@ -334,7 +334,7 @@ def main(args: Args) -> None:
             ppo.load_optimizer_state(opt, state["optimizers"][p])
         ppo.rng_states(state["rng"][rank % len(state["rng"])])
         start, elapsed, sched = state["step"] + 1, state["elapsed"], state["schedule"]
-        failures = state["failures"][rank % len(state["failures"])]  # this process's own
+        failures = [row for saved in state["failures"][rank::world] for row in saved]  # its own (any process count)
         data, recent, run_name = state["data"], state["recent"], state["run_name"]
     metrics_path, run = ppo.open_run(args, output_dir, start, run_name) if rank == 0 else (None, None)
     samplers = {p: ppo.generation_configs(args.gen, tokenizer, hp.temperature, hp.top_k, hp.top_p, hp.min_p)[0]

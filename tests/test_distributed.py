@@ -58,6 +58,13 @@ def test_script_under_torchrun(script, extra, tmp_path):
     if "rl-with-sft-on-failures" in extra:  # and each process's own failures (rank 0's alone were kept)
         assert [type(f) for f in state["failures"]] == [list, list] and all(state["failures"])
         assert state["failures"][0] != state["failures"][1]
+        # resumed in one process, it keeps both processes' failures (step 5 is RLOO's: it adds some, takes none)
+        result = run_script(script, *TINY[script][2:], "--total-steps", "5", "rl-with-sft-on-failures", "--save-every",
+                            "5", "--output-dir", tmp_path / "run", "--resume", "latest")
+        assert result.returncode == 0, result.stderr[-4000:]
+        resumed = torch.load(tmp_path / "run" / "checkpoints" / "iter_000005" / "state.pt", weights_only=False)
+        both = [*state["failures"][0], *state["failures"][1]]
+        assert resumed["failures"][0][:len(both)] == both
     auto = ppo.AutoModelForTokenClassification if script == "stepwise_prm.py" else ppo.AutoModelForCausalLM
     model = auto.from_pretrained(tmp_path / "run" / "model")  # gathered whole on rank 0
     assert model.config.architectures[0].startswith("Llama")
