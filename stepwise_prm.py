@@ -283,11 +283,15 @@ def main(args: Args) -> None:
     # ---- validate the configuration before anything is loaded
     rank, world, device = setup_distributed()
     builtin = args.model == "builtin"
+    for flag, value in (("--total-steps", args.total_steps), ("--gradient-accumulation-steps",
+                                                             args.gradient_accumulation_steps)):
+        if value < 1:
+            fail(flag, value, "give at least 1")
+    if args.max_grad_norm <= 0:  # as step_or_skip says at the first step, but before the data and the warm start
+        fail("--max-grad-norm", args.max_grad_norm, "give a value > 0 (at 0 nothing would train)")
     if args.batch_size % (world * args.gradient_accumulation_steps):
         fail("--batch-size", args.batch_size, f"must be divisible by {world} process(es) x "
                                               f"--gradient-accumulation-steps ({args.gradient_accumulation_steps})")
-    if args.total_steps < 1:
-        fail("--total-steps", args.total_steps, "give at least 1")
     if args.warmup_steps and not builtin:
         fail("--warmup-steps", args.warmup_steps, "the warm start is for the built-in model; a pretrained --model "
                                                   "needs none: leave it out")

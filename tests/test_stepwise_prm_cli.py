@@ -135,6 +135,8 @@ def test_save_then_resume_gives_the_same_run(tmp_path):
     (["--dataset", "steps.jsonl", "--eval-split", "test"], "--dataset", ["split 'test'"]),
     (["--dataset", "steps.jsonl", "--num-eval-rows", "40"], "--num-eval-rows", ["none to train on"]),
     (["--batch-size", "10", "--gradient-accumulation-steps", "4"], "--batch-size", ["divisible"]),
+    (["--gradient-accumulation-steps", "0"], "--gradient-accumulation-steps", ["at least 1"]),  # not % 0
+    (["--max-grad-norm", "0"], "--max-grad-norm", ["> 0"]),
     (["--model", "no/such-model-folder", "--warmup-steps", "0"], "--model", ["no/such-model-folder"]),
     (["--max-length", "1000"], "--max-length", ["context of 256"]),
     (["--resume", "no_such_checkpoint"], "--resume", ["not a checkpoint folder"]),
