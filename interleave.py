@@ -551,14 +551,17 @@ def check_args(args: Args) -> bool:
         fail("--sft.on-failures", True, "needs an RL phase (ppo or rloo) whose failures it trains on")
     builtin = True
     for p in [p for p in args.phases if p in ("ppo", "rloo")]:
+        hp, size = getattr(args, p).hp, getattr(args, p).turn.batch_size
+        k = hp.rloo_k if p == "rloo" else 1  # responses a prompt
         with phase_flags(p):
             builtin = ppo.check_task(getattr(args, p).task) and builtin
-            ppo.check_update(getattr(args, p).hp)
+            ppo.check_update(hp)
             if p == "rloo":
-                check_group_update(args.rloo.hp)
-    if "rloo" in args.phases and args.rloo.turn.batch_size % (args.rloo.hp.rloo_k * world):
-        fail("--rloo.batch-size", args.rloo.turn.batch_size, f"must be divisible by --rloo.rloo-k "
-             f"({args.rloo.hp.rloo_k}) x {world} process(es): each process samples whole groups of k")
+                check_group_update(hp)
+            if size % (k * world) or size // (k * world) % (hp.num_mini_batches * hp.gradient_accumulation_steps):
+                fail(f"--{p}.batch-size", size, "must be divisible by " + f"--rloo-k ({k}) x " * (p == "rloo") +
+                     f"{world} process(es) x --num-mini-batches ({hp.num_mini_batches}) x "
+                     f"--gradient-accumulation-steps ({hp.gradient_accumulation_steps}): whole groups a process")
     return builtin
 
 
