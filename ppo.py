@@ -655,13 +655,14 @@ def load_callable(spec: str, flag: str) -> Callable:
         fail(flag, spec, "write it as module:function or path/to/file.py:function")
     if target.endswith(".py") and not os.path.isfile(target):
         fail(flag, spec, f"there is no file {target}; check the path")
+    if not target.endswith(".py") and not all(part.isidentifier() for part in target.split(".")):
+        fail(flag, spec, f"{target} is not a module name (letters, digits, _, dots); give a file: dir/file.py:{name}")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
         fn = runpy.run_path(target).get(name) if target.endswith(".py") else pkgutil.resolve_name(spec)
-    except (ImportError, ValueError) as e:  # ValueError: not a module name (my-rewards)
-        fail(flag, spec, f"cannot import {target} ({e}); check the module name and that it is on the path, or give "
-                         "its file: path/to/file.py:function")
+    except ImportError as e:
+        fail(flag, spec, f"cannot import {target} ({e}); check the module name and that it is on the path")
     except AttributeError:
         fn = None
     if not callable(fn):
@@ -710,7 +711,7 @@ def fp32_output_layer(model: torch.nn.Module) -> torch.nn.Module:
 def with_lora(model, lora: MemoryArgs) -> torch.nn.Module:
     """The model with fresh LoRA adapters (peft; they and a classifier's head train) and --gradient-checkpointing."""
     if lora.gradient_checkpointing:
-        model.activation_checkpointing_enable()  # use_reentrant=False, transformers' default
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
     if lora.lora_r < 0:
         fail("--lora-r", lora.lora_r, "give the adapters' rank (0: no adapters, every weight trains)")
@@ -1516,7 +1517,9 @@ def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
     for m in model.modules():
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0
-        vars(m).update({name: 0.0 for name, value in vars(m).items() if "dropout" in name and isinstance(value, float)})
+        for name, value in list(vars(m).items()):
+            if "dropout" in name and isinstance(value, float):
+                setattr(m, name, 0.0)
     return model
 
 

@@ -463,9 +463,10 @@ def aggregate_loss(losses: torch.Tensor, mask: torch.Tensor, loss_type: str, tok
 
 def sequence_rewards(scores: torch.Tensor, process: list | None, aggregate: str, weight: float) -> torch.Tensor:
     """What rloo_step gets: the scores [B] plus weight x each response's aggregated PRM step scores (0 if none)."""
-    aggregates = {"min": min, "mean": lambda x: sum(x) / len(x), "last": lambda x: x[-1]}
-    return scores if process is None else scores + weight * torch.tensor(
-        [aggregates[aggregate]([p for _, p in steps]) if steps else 0.0 for steps in process])
+    if process is None:
+        return scores
+    agg = {"min": min, "mean": lambda x: sum(x) / len(x), "last": lambda x: x[-1]}[aggregate]
+    return scores + weight * torch.tensor([agg([p for _, p in steps]) if steps else 0.0 for steps in process])
 
 
 def rloo_step(policy, ref_policy, optimizer, queries: torch.Tensor, responses: torch.Tensor, rewards: torch.Tensor,
@@ -642,14 +643,14 @@ def main(args: Args) -> None:
         # 8. Rollout: anneal the lr, this process's share of the prompts, k samples each, rewards; DAPO's rounds.
         for group in optimizer.param_groups:
             group["lr"] = lr * (1 - (iteration - 1) / num_iterations) if args.anneal_lr else lr
-        kept, aside, rounds = [], [], []  # rounds: each sampling round's decode_live_frac
-        while not rounds or (args.dynamic_sampling and len(rounds) < args.max_sampling_rounds and global_sum(
+        kept, aside, live = [], [], []  # live: each sampling round's decode_live_frac (len: the rounds)
+        while not live or (args.dynamic_sampling and len(live) < args.max_sampling_rounds and global_sum(
                 torch.tensor(float(len(kept) < local_prompts), device=device)) > 0):
             prompts = draw_rows(task, state["prompt_state"], args.batch_size // hp.rloo_k, args.seed)
             rows = [r for r in prompts[rank * local_prompts:(rank + 1) * local_prompts] for _ in range(hp.rloo_k)]
             with autocast(hp.dtype, device):
                 out = rollout(policy, tokenizer, rows, sample, gen.stop_strings, task)
-            rounds.append(out["decode_live_frac"])
+            live.append(out["decode_live_frac"])
             out["rewards"] = sequence_rewards(out["scores"], out["process"], hp.prm_aggregate, args.task.prm_weight)
             for i in range(0, len(rows), hp.rloo_k):  # each group's k rows of every tensor
                 group = {key: v[i:i + hp.rloo_k] for key, v in out.items() if torch.is_tensor(v)}
@@ -666,8 +667,8 @@ def main(args: Args) -> None:
             fail("--skip-nonfinite", False, f"{e} at iteration {iteration}: the run stops here, its last good "
                  "checkpoint kept; lower --learning-rate, check the rewards, or pass --skip-nonfinite")
         # 10. Log: metrics averaged over processes (counts summed), a row per iteration; evaluation every --eval-every.
-        metrics |= {"sampling/rounds": len(rounds), "sampling/equal_frac": len(aside) / (len(rounds) * local_prompts),
-                    "sampling/decode_live_frac": sum(rounds) / len(rounds),
+        metrics |= {"sampling/rounds": len(live), "sampling/equal_frac": len(aside) / (len(live) * local_prompts),
+                    "sampling/decode_live_frac": sum(live) / len(live),
                     "sampling/decode_shapes": len(vars(policy).get("decode_caches", ()))}  # static caches (--compile)
         state["episode"] += args.batch_size
         row = {"iteration": iteration, "episode": state["episode"], "elapsed_s": round(time.time() - t0, 3),
@@ -752,13 +753,14 @@ def load_callable(spec: str, flag: str) -> Callable:
         fail(flag, spec, "write it as module:function or path/to/file.py:function")
     if target.endswith(".py") and not os.path.isfile(target):
         fail(flag, spec, f"there is no file {target}; check the path")
+    if not target.endswith(".py") and not all(part.isidentifier() for part in target.split(".")):
+        fail(flag, spec, f"{target} is not a module name (letters, digits, _, dots); give a file: dir/file.py:{name}")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
         fn = runpy.run_path(target).get(name) if target.endswith(".py") else pkgutil.resolve_name(spec)
-    except (ImportError, ValueError) as e:  # ValueError: not a module name (my-rewards)
-        fail(flag, spec, f"cannot import {target} ({e}); check the module name and that it is on the path, or give "
-                         "its file: path/to/file.py:function")
+    except ImportError as e:
+        fail(flag, spec, f"cannot import {target} ({e}); check the module name and that it is on the path")
     except AttributeError:
         fn = None
     if not callable(fn):
@@ -807,7 +809,7 @@ def fp32_output_layer(model: torch.nn.Module) -> torch.nn.Module:
 def with_lora(model, lora: MemoryArgs) -> torch.nn.Module:
     """The model with fresh LoRA adapters (peft; they and a classifier's head train) and --gradient-checkpointing."""
     if lora.gradient_checkpointing:
-        model.activation_checkpointing_enable()  # use_reentrant=False, transformers' default
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
     if lora.lora_r < 0:
         fail("--lora-r", lora.lora_r, "give the adapters' rank (0: no adapters, every weight trains)")
@@ -1613,7 +1615,9 @@ def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
     for m in model.modules():
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0
-        vars(m).update({name: 0.0 for name, value in vars(m).items() if "dropout" in name and isinstance(value, float)})
+        for name, value in list(vars(m).items()):
+            if "dropout" in name and isinstance(value, float):
+                setattr(m, name, 0.0)
     return model
 
 

@@ -283,8 +283,8 @@ def main(args: Args) -> None:
     # ---- validate the configuration before anything is loaded
     rank, world, device = setup_distributed()
     builtin = args.model == "builtin"
-    for flag, value in (("--total-steps", args.total_steps), ("--gradient-accumulation-steps",
-                                                             args.gradient_accumulation_steps)):
+    for flag, value in (("--total-steps", args.total_steps),
+                        ("--gradient-accumulation-steps", args.gradient_accumulation_steps)):
         if value < 1:
             fail(flag, value, "give at least 1")
     if args.max_grad_norm <= 0:  # as step_or_skip says at the first step, but before the data and the warm start
@@ -515,7 +515,7 @@ def load_pretrained(auto_cls, name: str, flag: str, trust_remote_code: bool = Fa
 def with_lora(model, lora: MemoryArgs) -> torch.nn.Module:
     """The model with fresh LoRA adapters (peft; they and a classifier's head train) and --gradient-checkpointing."""
     if lora.gradient_checkpointing:
-        model.activation_checkpointing_enable()  # use_reentrant=False, transformers' default
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
     if lora.lora_r < 0:
         fail("--lora-r", lora.lora_r, "give the adapters' rank (0: no adapters, every weight trains)")

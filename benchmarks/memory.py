@@ -184,8 +184,8 @@ def trl_side(algo: str, art: Path, model: str, ckpt: bool) -> None:
         policy = AutoModelForCausalLM.from_pretrained(art / "policy")
         value = AutoModelForSequenceClassification.from_pretrained(art / "reward")
         if ckpt:  # PPOTrainer's own loop never turns the config's flag on: the models are asked directly
-            policy.activation_checkpointing_enable()
-            value.activation_checkpointing_enable()
+            policy.gradient_checkpointing_enable()
+            value.gradient_checkpointing_enable()
         trainer = PPOTrainer(args=config, processing_class=tokenizer, model=policy,
                              ref_model=AutoModelForCausalLM.from_pretrained(art / "policy"),
                              reward_model=AutoModelForSequenceClassification.from_pretrained(art / "reward"),

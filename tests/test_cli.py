@@ -182,7 +182,7 @@ def test_save_then_resume_gives_the_same_run(script, tmp_path):
 
 @pytest.mark.parametrize("args, flag, words", [
     (["--prompt-fn", "my_prompts:digits", "--reward-fn", "no_such_module:score"], "--reward-fn", ["cannot import"]),
-    (["--prompt-fn", "my_prompts:digits", "--reward-fn", "my-rewards:score"], "--reward-fn", ["path/to/file.py"]),
+    (["--prompt-fn", "my_prompts:digits", "--reward-fn", "my-rewards:score"], "--reward-fn", ["not a module name"]),
     (["--prompt-fn", "my_prompts:digits", "--reward-fn", "my_rewards:nope"], "--reward-fn", ["has no function nope"]),
     (["--prompt-fn", "my_prompts:digits", "--reward-fn", "missing.py:score"], "--reward-fn", ["no file"]),
     (["--prompt-fn", "my_prompts:digits", "--reward-fn", "my_rewards:raises"], "--reward-fn", ["raised KeyError"]),
