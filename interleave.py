@@ -552,16 +552,16 @@ def check_args(args: Args) -> bool:
     builtin = True
     for p in [p for p in args.phases if p in ("ppo", "rloo")]:
         hp, size = getattr(args, p).hp, getattr(args, p).turn.batch_size
-        k = hp.rloo_k if p == "rloo" else 1  # responses a prompt
+        k, groups = (hp.rloo_k, f"--rloo-k ({hp.rloo_k}: whole groups) x ") if p == "rloo" else (1, "")
         with phase_flags(p):
             builtin = ppo.check_task(getattr(args, p).task) and builtin
             ppo.check_update(hp)
             if p == "rloo":
                 check_group_update(hp)
             if size % (k * world) or size // (k * world) % (hp.num_mini_batches * hp.gradient_accumulation_steps):
-                fail(f"--{p}.batch-size", size, "must be divisible by " + f"--rloo-k ({k}) x " * (p == "rloo") +
-                     f"{world} process(es) x --num-mini-batches ({hp.num_mini_batches}) x "
-                     f"--gradient-accumulation-steps ({hp.gradient_accumulation_steps}): whole groups a process")
+                fail(f"--{p}.batch-size", size, f"must be divisible by {groups}{world} process(es) x "
+                     f"--num-mini-batches ({hp.num_mini_batches}) x --gradient-accumulation-steps "
+                     f"({hp.gradient_accumulation_steps})")
     return builtin
 
 

@@ -226,7 +226,7 @@ def test_rl_phases_with_a_prm_as_their_only_reward_train_on_its_step_scores(tmp_
     (["--sft.until", "sft/loss=0.1"], "--sft.until", ["metric<value"]),
     (["--schedule", "transitions"], "--sft.until", ["['rloo'] can never run"]),
     (["--phases", "sft", "--sft.on-failures"], "--sft.on-failures", ["needs an RL phase"]),
-    (["--rloo.batch-size", "10"], "--rloo.batch-size", ["divisible by --rloo.rloo-k (4) x 1 process(es)"]),
+    (["--rloo.batch-size", "10"], "--rloo.batch-size", ["--rloo.rloo-k (4: whole groups) x 1 process(es)"]),
     (["--rloo.num-mini-batches", "3"], "--rloo.batch-size", ["--rloo.num-mini-batches (3)"]),  # not rloo_step's
     (["--phases", "ppo", "--ppo.batch-size", "6"], "--ppo.batch-size", ["by 1 process(es) x --ppo.num-mini-batches"]),
     (["--rloo.num-ppo-epochs", "0"], "--rloo.num-ppo-epochs", ["at least 1"]),  # its steps trained nothing
